@@ -1,0 +1,97 @@
+"""Conversations -> token ids + assistant loss mask for drafter training (METHOD.md §3.3), and batches.
+
+A row is one generated conversation (`conversations`: system, user, assistant). It is rendered with
+the tokenizer's own chat template; the loss covers the final assistant turn (everything after the
+generation prompt, end-of-turn token included). Rows with fewer than `min_loss_tokens` loss tokens
+after truncation to `max_length` are dropped (too short to place a block).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def messages_of(row: dict, where: str = "") -> list[dict]:
+    messages = row.get("conversations") or row.get("messages")
+    if not messages:
+        raise ValueError(f"{where}: row {row.get('id', '?')} has no 'conversations' list")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def prompt_messages(row: dict) -> list[dict]:
+    """The conversation without its final assistant turn: what the model is asked."""
+    messages = messages_of(row)
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return messages
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Example:
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("a training conversation must end with an assistant turn")
+    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError("the chat template renders the prompt differently inside the full conversation; "
+                         "the assistant span cannot be located (use a template whose history is a prefix)")
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    ids = (prompt_ids + answer_ids)[:max_length]
+    mask = ([0] * len(prompt_ids) + [1] * len(answer_ids))[:max_length]
+    return Example(ids, mask)
+
+
+def build_examples(rows: list[dict], tokenizer, max_length: int, min_loss_tokens: int, where: str = "") -> list[Example]:
+    examples = []
+    for row in tqdm(rows, desc="tokenize", leave=False):
+        example = tokenize_conversation(tokenizer, messages_of(row, where), max_length)
+        if sum(example.loss_mask) >= min_loss_tokens:
+            examples.append(example)
+    if not examples:
+        raise ValueError(f"{where}: no conversation has >= {min_loss_tokens} assistant tokens within "
+                         f"{max_length} tokens; check the data file or lower drafter.block_size")
+    return examples
+
+
+def collate(examples: list[Example], device) -> dict[str, torch.Tensor]:
+    """Right-padded batch (pad id 0, attention and loss mask 0 on padding)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    loss = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        attention[i, :n] = 1
+        loss[i, :n] = torch.tensor(e.loss_mask)
+    return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "loss_mask": loss.to(device)}
+
+
+def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
+                  world: int = 1) -> list[list[int]]:
+    """This rank's batches (example indices) of one epoch: shuffled with (seed, epoch), last partial
+    batch dropped, dealt round-robin across ranks. Deterministic, so a resumed run skips exactly
+    the batches it already trained on."""
+    order = list(range(num_examples))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    batches = [order[i:i + batch_size] for i in range(0, num_examples - batch_size + 1, batch_size)]
+    batches = batches[:len(batches) - len(batches) % world]   # every rank takes the same number of steps
+    return batches[rank::world]
+
+
+def split_heldout(rows: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): the last `heldout` rows are kept out of training and serve as
+    the prompts on which acceptance is measured. Files are written in a fixed order, so the split is
+    the same for every run that reads the same file."""
+    if heldout >= len(rows):
+        raise ValueError(f"drafter.heldout_prompts={heldout} leaves no training data out of {len(rows)} rows")
+    return rows[:len(rows) - heldout], rows[len(rows) - heldout:]

@@ -1,0 +1,267 @@
+"""A small reference speculative decoder for DFlash drafters (batch 1, PyTorch, CPU or CUDA), used to
+measure acceptance during training and to check losslessness. Named steps, as in gpt-fast:
+
+  prefill   target over the prompt -> first token + context features of the prompt
+  draft     one drafter pass fills block = [last token, MASK x (B-1)] -> B-1 draft tokens
+  verify    one target pass over the block -> its prediction at every block position
+  accept    greedy: longest prefix where draft k == target's argmax after k-1, plus the target's
+            bonus token; sampling: rejection sampling (accept x with prob min(1, p/q), else resample
+            from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's
+  commit    keep the accepted positions in the target's cache, drop the rest
+
+tau (acceptance length) = tokens emitted per verification step, bonus included (1 <= tau <= B).
+
+Targets with recurrent layers (Qwen3.5's Gated DeltaNet) keep a running state that a KV-cache crop
+cannot rewind: before each verification we snapshot those states; after a partial acceptance we
+restore them, crop the attention layers, and re-run just the accepted tokens through the target.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from eqc_utils.drafter.features import capture_layers, input_embedding, output_head
+from eqc_utils.drafter.model import DFlashDrafter, DraftCache
+
+
+@dataclass
+class GenerationStats:
+    output_ids: list[int]
+    emitted_per_step: list[int] = field(default_factory=list)   # tokens per verification step (incl. bonus)
+    accepted_at: list[int] = field(default_factory=list)        # accepted_at[k-1]: steps whose draft k was accepted
+    drafted_at: list[int] = field(default_factory=list)         # drafted_at[k-1]: steps that verified a draft k
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.emitted_per_step) / max(1, len(self.emitted_per_step))
+
+
+class TargetSession:
+    """The target's cache for one sequence, with rollback that also works for recurrent layers."""
+
+    def __init__(self, target: nn.Module, layer_ids: list[int]):
+        from transformers import DynamicCache
+        self.target, self.layer_ids = target, layer_ids
+        self.cache = DynamicCache(config=target.config)
+        self.length = 0
+
+    def _recurrent_layers(self):
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+        return [layer for layer in self.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `ids` [1, T]; returns (logits [1, T, V], context features [1, T, F])."""
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device)[None]
+        if not self.layer_ids:      # plain decoding needs no features
+            out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            self.length += ids.shape[1]
+            return out.logits.float(), None
+        with capture_layers(self.target, self.layer_ids) as hidden:
+            out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        self.length += ids.shape[1]
+        return out.logits.float(), torch.cat(hidden, dim=-1)
+
+    def snapshot(self):
+        """Copies of the recurrent states (small, fixed size); attention layers need none (crop)."""
+        return [({i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                 {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
+                for layer in self._recurrent_layers()]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self._recurrent_layers())
+
+    def rewind(self, length: int, snapshot) -> None:
+        """Back to `length` tokens: crop attention caches; restore recurrent states from `snapshot`
+        (taken when the cache held `snapshot_length` tokens; the caller re-runs the gap)."""
+        from transformers.cache_utils import DynamicLayer
+        remove = self.length - length
+        if remove > 0:
+            for layer in self.cache.layers:
+                if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                    DynamicLayer.crop(layer, -remove)
+        for layer, (conv, recurrent) in zip(self._recurrent_layers(), snapshot or []):
+            for i, s in conv.items():
+                layer.conv_states[i] = s.clone()
+            for i, s in recurrent.items():
+                layer.recurrent_states[i] = s.clone()
+        self.length = length
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def rejection_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling over one block. draft_tokens [K], draft_probs [K, V] (the distribution each
+    was sampled from), target_probs [K + 1, V] (target after the anchor, after draft 1, ...).
+    Returns (number accepted, next token): the resampled token at the first rejection, else a bonus
+    sample from the last target distribution."""
+    for k in range(draft_tokens.shape[0]):
+        x = draft_tokens[k]
+        p, q = target_probs[k, x], draft_probs[k, x]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q <= p:          # accept with probability min(1, p/q)
+            continue
+        residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else target_probs[k]
+        return k, int(torch.multinomial(residual, 1, generator=generator))
+    return draft_tokens.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+
+
+@torch.no_grad()
+def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                    stop_ids: set[int] = frozenset(), temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> GenerationStats:
+    """Plain decoding, one target forward per token (the baseline speculative decoding must match)."""
+    device = next(target.parameters()).device
+    session = TargetSession(target, [])
+    started = time.perf_counter()
+    logits, _ = session.forward(torch.tensor([prompt_ids], device=device))
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = _pick(logits[0, -1], temperature, generator)
+        out.append(token)
+        if token in stop_ids or len(out) == max_new_tokens:
+            break
+        logits, _ = session.forward(torch.tensor([[token]], device=device))
+    return GenerationStats(out, emitted_per_step=[1] * len(out), seconds=time.perf_counter() - started)
+
+
+class DraftFn:
+    """What the decoder asks of a drafter: given the new context features and the block start,
+    return draft logits for block slots 1..B-1. DFlashProposer wraps a trained DFlashDrafter."""
+    block_size: int
+    target_layer_ids: list[int]
+
+    def reset(self) -> None: ...
+
+    def __call__(self, anchor_token: int, start: int, new_context: torch.Tensor) -> torch.Tensor: ...
+
+
+class DFlashProposer(DraftFn):
+    def __init__(self, drafter: DFlashDrafter, target: nn.Module, block_size: int | None = None):
+        self.drafter, self.target = drafter.eval(), target
+        self.block_size = block_size or drafter.block_size
+        self.target_layer_ids = drafter.config.target_layer_ids
+        self.cache = DraftCache()
+
+    def reset(self) -> None:
+        self.cache = DraftCache()
+
+    def __call__(self, anchor_token: int, start: int, new_context: torch.Tensor) -> torch.Tensor:
+        device = new_context.device
+        block = torch.full((1, self.block_size), self.drafter.mask_token_id, device=device)
+        block[0, 0] = anchor_token
+        embeds = input_embedding(self.target)(block)
+        ctx_start = self.cache.length
+        positions = torch.cat([torch.arange(ctx_start, start, device=device),
+                               torch.arange(start, start + self.block_size, device=device)])[None]
+        hidden = self.drafter(embeds, new_context, positions, cache=self.cache)
+        return output_head(self.target)(hidden[0, 1:]).float()
+
+
+@torch.no_grad()
+def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[int], max_new_tokens: int,
+                         stop_ids: set[int] = frozenset(), temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> GenerationStats:
+    device = next(target.parameters()).device
+    block = proposer.block_size
+    session = TargetSession(target, proposer.target_layer_ids)
+    proposer.reset()
+    stats = GenerationStats([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+    started = time.perf_counter()
+
+    # prefill: context features of the prompt, first token from the target
+    logits, new_context = session.forward(torch.tensor([prompt_ids], device=device))
+    token = _pick(logits[0, -1], temperature, generator)
+    out = [token]
+    start = len(prompt_ids)                 # position of `token`, the next block's anchor
+    while token not in stop_ids and len(out) < max_new_tokens:
+        # draft
+        draft_logits = proposer(token, start, new_context)
+        if temperature > 0:
+            draft_probs = _probs(draft_logits, temperature)
+            drafts = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        else:
+            drafts = draft_logits.argmax(-1)
+        # verify
+        snapshot = session.snapshot() if session.has_recurrent_state else None
+        block_ids = torch.cat([torch.tensor([token], device=device), drafts])[None]
+        logits, features = session.forward(block_ids)
+        # accept
+        if temperature > 0:
+            accepted, next_token = rejection_accept(drafts, draft_probs, _probs(logits[0], temperature), generator)
+        else:
+            predicted = logits[0].argmax(-1)
+            matches = (drafts == predicted[:-1]).int()
+            accepted = int(matches.cumprod(0).sum())
+            next_token = int(predicted[accepted])
+        for k in range(block - 1):
+            stats.drafted_at[k] += 1
+            stats.accepted_at[k] += int(k < accepted)
+        # commit: anchor + accepted drafts are now verified context; the next token is the new anchor
+        committed = accepted + 1
+        if committed < block:
+            if snapshot is not None:
+                session.rewind(start, snapshot)
+                _, features = session.forward(block_ids[:, :committed])
+            else:
+                session.rewind(start + committed, None)
+        new_context = features[:, :committed]
+        emitted = drafts[:accepted].tolist() + [next_token]
+        emitted = emitted[:max_new_tokens - len(out)]
+        for i, t in enumerate(emitted):
+            if t in stop_ids:
+                emitted = emitted[:i + 1]
+                break
+        out += emitted
+        stats.emitted_per_step.append(len(emitted))
+        start += committed
+        token = next_token
+    stats.output_ids = out
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+@dataclass
+class AcceptanceReport:
+    tau: float
+    steps: int
+    tokens: int
+    acceptance_per_position: list[float]      # P(draft k accepted), k = 1..B-1
+    per_prompt_tau: list[float]
+    seconds: float
+
+
+def measure_acceptance(target: nn.Module, proposer: DraftFn, prompts: list[list[int]], max_new_tokens: int,
+                       stop_ids: set[int] = frozenset(), temperature: float = 0.0, seed: int = 0,
+                       progress: bool = True) -> AcceptanceReport:
+    """tau over several prompts: total emitted tokens / total verification steps (pooled, as vLLM's
+    1 + accepted/drafts), with per-position acceptance rates."""
+    from tqdm.auto import tqdm
+    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
+    emitted = steps = 0
+    accepted = drafted = None
+    per_prompt, started = [], time.perf_counter()
+    for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress):
+        s = speculative_generate(target, proposer, ids, max_new_tokens, stop_ids, temperature, generator)
+        emitted += sum(s.emitted_per_step)
+        steps += len(s.emitted_per_step)
+        accepted = s.accepted_at if accepted is None else [a + b for a, b in zip(accepted, s.accepted_at)]
+        drafted = s.drafted_at if drafted is None else [a + b for a, b in zip(drafted, s.drafted_at)]
+        per_prompt.append(s.tau)
+    rates = [a / d if d else 0.0 for a, d in zip(accepted or [], drafted or [])]
+    return AcceptanceReport(emitted / max(1, steps), steps, emitted, rates, per_prompt, time.perf_counter() - started)

@@ -1,0 +1,82 @@
+"""The DFlash training objective (METHOD.md §3.2): anchors, block inputs, labels, weights, loss.
+
+Per sequence, up to `num_anchors` anchor positions are drawn uniformly among assistant positions p
+with p + block_size <= length (the whole block lies inside the sequence). Block n is
+[x[anchor_n], MASK, ..., MASK] at positions anchor_n + 0..B-1; block position k learns to predict
+x[anchor_n + k] (same-position labels). Slot 0 is the given anchor token, so it is never scored;
+slot k >= 1 is weighted by exp(-(k-1)/gamma) (early slots matter most: a draft is only accepted up to
+its first miss) and only where x[anchor + k] is an assistant token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, num_anchors: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """anchors [B, N] (ascending per row) and valid [B, N]; N = min(num_anchors, most candidates in
+    the batch). Rows with fewer candidates are padded with disabled blocks (anchor 0, valid False)."""
+    batch, width = loss_mask.shape
+    pos = torch.arange(width, device=loss_mask.device)
+    candidates = loss_mask.bool() & (pos[None, :] + block_size <= lengths[:, None])
+    counts = candidates.sum(1)
+    n = int(min(num_anchors, counts.max().item()))
+    if n <= 0:
+        raise ValueError("no anchor fits in this batch: every sequence has fewer than block_size tokens after "
+                         "its first assistant token")
+    # uniform random subset: random keys, candidates first, take the n smallest keys
+    keys = torch.rand(batch, width, generator=generator, device="cpu").to(loss_mask.device)
+    keys = keys.masked_fill(~candidates, 2.0)
+    chosen = keys.topk(n, dim=1, largest=False).indices
+    valid = torch.gather(candidates, 1, chosen)
+    anchors = torch.where(valid, chosen, torch.zeros_like(chosen))
+    # ascending order with disabled blocks last
+    order = torch.sort(torch.where(valid, anchors, width + 1), dim=1).indices
+    return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[block_size]: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+                  valid: torch.Tensor, block_size: int, mask_token_id: int, gamma: float) -> dict[str, torch.Tensor]:
+    """Block token ids, their positions, labels and loss weights, each [B, N*block_size]."""
+    batch, n = anchors.shape
+    offsets = torch.arange(block_size, device=anchors.device)
+    positions = anchors[:, :, None] + offsets                          # [B, N, block]
+    inside = positions < lengths[:, None, None]
+    safe = positions.clamp(max=input_ids.shape[1] - 1)
+    labels = torch.gather(input_ids, 1, safe.flatten(1)).view(batch, n, block_size)
+    scored = torch.gather(loss_mask, 1, safe.flatten(1)).view(batch, n, block_size).bool()
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[:, :, 0] = torch.where(valid, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_token_id))
+    weights = decay_weights(block_size, gamma, anchors.device)[None, None, :] * (valid[:, :, None] & inside & scored)
+    return {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
+            "labels": labels.flatten(1), "weights": weights.flatten(1)}
+
+
+def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor,
+                  chunk: int = 4096) -> tuple[torch.Tensor, dict]:
+    """Weighted hard-label cross-entropy through the target's LM head, computed only at positions with
+    a non-zero weight (slot 0, disabled blocks and prompt tokens never reach the full-vocabulary head).
+    Returns (loss, stats) with stats = accuracy over scored positions and the number scored."""
+    keep = weights > 0
+    h, y, w = hidden[keep], labels[keep], weights[keep]
+    if h.shape[0] == 0:
+        zero = hidden.sum() * 0.0
+        return zero, {"accuracy": math.nan, "scored": 0}
+    losses, correct = [], 0
+    for start in range(0, h.shape[0], chunk):
+        logits = head(h[start:start + chunk])
+        losses.append(F.cross_entropy(logits.float(), y[start:start + chunk], reduction="none"))
+        correct += (logits.argmax(-1) == y[start:start + chunk]).sum().item()
+    loss = (torch.cat(losses) * w).sum() / (w.sum() + 1e-6)
+    return loss, {"accuracy": correct / h.shape[0], "scored": int(h.shape[0])}

