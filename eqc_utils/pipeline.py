@@ -42,6 +42,16 @@ REGISTRY: tuple[StageSpec, ...] = (
     StageSpec("01_prompts", 1, ("seed", "assets", "prompts"),
               ("prompts_stage1.jsonl", "prompts_stage2.jsonl"),
               description="stage-1 and stage-2 prompt sets (manifest rebuild / deterministic sampler)"),
+    StageSpec("03_qad_target", 2, ("seed", "device", "assets", "quant", "qad", "pack"),
+              ("qad_student/grid_amax.safetensors", "summary.json"), ("02_teacher_data",),
+              description="INT4 init (PTQ), grid pinning, QAD against the teacher"),
+    StageSpec("04_pack_target", 2, ("seed", "device", "quant", "pack"),
+              ("target_ct/config.json", "target_dense/config.json", "serve_check.json"),
+              ("01_prompts", "03_qad_target"),
+              description="compressed-tensors W4A16 pack + dense twin, codes bit-exact, vLLM = twin"),
+    StageSpec("05_qad_data", 2, ("seed", "device", "generation"),
+              ("qad.jsonl",), ("01_prompts", "04_pack_target"),
+              description="stage-2 prompts answered by the packed QAD target"),
 )
 
 

