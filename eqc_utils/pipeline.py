@@ -42,6 +42,8 @@ REGISTRY: tuple[StageSpec, ...] = (
     StageSpec("01_prompts", 1, ("seed", "assets", "prompts"),
               ("prompts_stage1.jsonl", "prompts_stage2.jsonl"),
               description="stage-1 and stage-2 prompt sets (manifest rebuild / deterministic sampler)"),
+    StageSpec("02_teacher_data", 1, ("seed", "device", "assets", "generation"), ("teacher.jsonl",), ("01_prompts",),
+              description="stage-1 prompts answered by the teacher through vLLM (resumable)"),
     StageSpec("03_qad_target", 2, ("seed", "device", "assets", "quant", "qad", "pack"),
               ("qad_student/grid_amax.safetensors", "summary.json"), ("02_teacher_data",),
               description="INT4 init (PTQ), grid pinning, QAD against the teacher"),

@@ -69,6 +69,25 @@ class PromptSource:
         raise NotImplementedError
 
 
+def _mmlu_text(row: dict) -> str:
+    options = "\n".join(f"{letter}. {row['answer_' + letter.lower()]}" for letter in "ABCD")
+    return f"{row['question']}\n\n{options}\n\nExplain your reasoning, then give the letter of the answer."
+
+
+def _local_extra() -> dict:
+    """Extra packaged prompt collections: split, reader, prompt text. Their reference answers are never used."""
+    from eqc_utils import assets
+    return {
+        "gsm8k": ("math", lambda: assets.benchkit_rows("gsm8k"),
+                  lambda r: r["question"] + "\nSolve it step by step."),
+        "mbpp": ("code", lambda: assets.benchkit_rows("mbpp"), lambda r: r["prompt"]),
+        "mmlu": ("stem", assets.mmlu_rows, _mmlu_text),
+    }
+
+
+LOCAL_EXTRA = _local_extra()
+
+
 class LocalSource(PromptSource):
     """Prompts shipped in PyPI packages, mapped onto Nemotron's splits."""
     name = "local"
@@ -87,8 +106,15 @@ class LocalSource(PromptSource):
                     self.rows["chat"].append({"uuid": f"alpaca-{md5_hex(r['instruction'])}", "category": "chat",
                                               "reasoning": None, "source": name,
                                               "messages": [{"role": "user", "content": r["instruction"]}]})
+            elif name in LOCAL_EXTRA:
+                split, read, text = LOCAL_EXTRA[name]
+                for r in read():
+                    prompt = text(r)
+                    self.rows[split].append({"uuid": f"{name}-{md5_hex(prompt)}", "category": split, "reasoning": None,
+                                             "source": name, "messages": [{"role": "user", "content": prompt}]})
             else:
-                raise PromptSourceError(f"prompts.local_sources: unknown source '{name}' (arena_hard, alpaca_eval)")
+                raise PromptSourceError(f"prompts.local_sources: unknown source '{name}' "
+                                        f"(arena_hard, alpaca_eval, {', '.join(LOCAL_EXTRA)})")
 
     def splits(self) -> list[str]:
         return [s for s in SPLITS if self.rows[s]]

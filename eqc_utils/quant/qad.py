@@ -180,7 +180,9 @@ def export_student(lm: nn.Module, out: Path, sidecars_from: Path) -> None:
         weights = {name: p.detach().cpu().contiguous() for name, p in lm.named_parameters()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file({k: v.contiguous() for k, v in grid.grid_amax(lm).items()}, str(tmp / GRID_FILE))
-        lm.config.save_pretrained(tmp)
+        config = lm.config.to_dict()
+        config.pop("quantization_config", None)  # e.g. a GGUF-converted teacher's: the latent weights are plain
+        write_json(tmp / "config.json", config)
 
 
 def load_student_export(folder: Path, quant: dict, dtype=torch.float32) -> nn.Module:

@@ -1,0 +1,84 @@
+"""What notebooks 06 and 07 do, as a few sentences: train a run, measure tau per checkpoint, plot.
+
+    result = train_run("pretrain", target_dir, data_path, S.path("pretrain"), P, tokenizer, device=..., seed=...)
+    table = tau_per_checkpoint(result, P, tokenizer)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eqc_utils import io
+from eqc_utils.drafter.data import prompt_messages, split_heldout
+from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
+from eqc_utils.drafter.model import load_drafter
+from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, resolve_device, train_drafter
+
+TAU_FILE = "tau.json"
+
+
+@dataclass
+class RunResult:
+    name: str
+    target_dir: Path
+    out_dir: Path
+    final: Path
+    heldout: list[dict]
+    history: list[dict]
+
+
+def train_run(name: str, target_dir: Path, data_path: Path, out_dir: Path, P: dict, tokenizer, *,
+              device: str = "auto", seed: int = 0, init_from: Path | None = None, log=print) -> RunResult:
+    """Train (or resume) one drafter run on `data_path` minus its held-out rows."""
+    rows = io.read_jsonl(data_path)
+    train_rows, heldout = split_heldout(rows, P["heldout_prompts"])
+    run = TrainRun(name=name, target_dir=Path(target_dir), rows=train_rows, out_dir=Path(out_dir),
+                   init_from=Path(init_from) if init_from else None)
+    final = train_drafter(run, P, tokenizer, device=device, seed=seed, log=log)
+    return RunResult(name, Path(target_dir), Path(out_dir), final, heldout, read_history(out_dir))
+
+
+def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """Chat-templated prompts (generation prompt appended) of held-out rows."""
+    return [tokenizer.apply_chat_template(prompt_messages(r), tokenize=True, add_generation_prompt=True,
+                                          return_dict=False) for r in rows]
+
+
+def stop_ids(tokenizer, target_config) -> set[int]:
+    ids = {tokenizer.eos_token_id, getattr(target_config, "eos_token_id", None)}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    flat = set()
+    for i in ids:
+        flat.update(i if isinstance(i, (list, tuple)) else [i])
+    return {i for i in flat if i is not None}
+
+
+def measure_drafter(drafter_dir: Path, target, prompts: list[list[int]], stops: set[int], P: dict,
+                    block_size: int | None = None) -> AcceptanceReport:
+    device = next(target.parameters()).device
+    drafter = load_drafter(drafter_dir, device=device, dtype=next(target.parameters()).dtype)
+    proposer = DFlashProposer(drafter, target, block_size)
+    return measure_acceptance(target, proposer, prompts, P["eval_max_new_tokens"], stops,
+                              temperature=P["eval_temperature"])
+
+
+def tau_per_checkpoint(result: RunResult, P: dict, tokenizer, device: str = "auto") -> list[dict]:
+    """tau on the held-out prompts for every checkpoint of a run (the last one is the final drafter).
+    Written to `<run>/tau.json`; rows: step, tau, steps, tokens, acceptance_per_position, seconds."""
+    device = resolve_device(device)
+    target = load_target(result.target_dir, device, P["precision"])
+    prompts = prompt_ids(tokenizer, result.heldout)
+    stops = stop_ids(tokenizer, target.config)
+    table = []
+    for step, path in checkpoint_steps(result.out_dir):
+        with torch.no_grad():
+            report = measure_drafter(path, target, prompts, stops, P)
+        table.append({"run": result.name, "step": step, "tau": report.tau, "steps": report.steps,
+                      "tokens": report.tokens, "acceptance_per_position": report.acceptance_per_position,
+                      "seconds": round(report.seconds, 1)})
+    io.write_json(result.out_dir / TAU_FILE, table)
+    return table
