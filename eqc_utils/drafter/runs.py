@@ -82,3 +82,36 @@ def tau_per_checkpoint(result: RunResult, P: dict, tokenizer, device: str = "aut
                       "seconds": round(report.seconds, 1)})
     io.write_json(result.out_dir / TAU_FILE, table)
     return table
+
+
+def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, device: str = "auto") -> dict:
+    """tau of any drafter against a run's target on that run's held-out prompts (e.g. the pre-trained
+    drafter before fine-tuning, measured against the QAD target)."""
+    target = load_target(result.target_dir, resolve_device(device), P["precision"])
+    with torch.no_grad():
+        report = measure_drafter(drafter_dir, target, prompt_ids(tokenizer, result.heldout),
+                                 stop_ids(tokenizer, target.config), P)
+    return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position}
+
+
+def vllm_agreement(served_target: Path, result: RunResult, P: dict, tokenizer, log_dir: Path | None = None,
+                   device: str = "auto") -> dict:
+    """vLLM (target `served_target` + the run's final drafter) vs the reference decoder (the run's
+    target, same drafter) on the first `vllm_prompts` held-out prompts with the same token budget."""
+    from eqc_utils.drafter.serve_check import vllm_dflash_check
+
+    prompts = prompt_ids(tokenizer, result.heldout)[:P["vllm_prompts"]]
+    block = json_block_size(result.final)
+    check = vllm_dflash_check(served_target, result.final, prompts, P["eval_max_new_tokens"], block,
+                              P["vllm_args"], log_dir=log_dir, device=device)
+    target = load_target(result.target_dir, resolve_device(device), P["precision"])
+    with torch.no_grad():
+        reference = measure_drafter(result.final, target, prompts, stop_ids(tokenizer, target.config), P)
+    check["reference_tau"] = reference.tau
+    if check["vllm_tau"]:
+        check["relative_gap"] = (check["vllm_tau"] - reference.tau) / reference.tau
+    return check
+
+
+def json_block_size(drafter_dir: Path) -> int:
+    return int(io.read_json(Path(drafter_dir) / "config.json")["block_size"])

@@ -1,0 +1,77 @@
+"""Training end to end on a micro target: the drafter learns (tau > 4 on its corpus), checkpoints resume."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from eqc_utils import io
+from eqc_utils.drafter.decode import greedy_generate
+from eqc_utils.drafter.model import load_drafter
+from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
+from eqc_utils.drafter.train import checkpoint_steps, load_target
+from eqc_utils.params import load_params
+from tests._fixtures_drafter import load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity.",
+             "List three fruits.", "How do I sort a list in Python?", "Tell me a joke."]
+
+
+@pytest.fixture(scope="module")
+def corpus(micro_llama_dir, tokenizer, tmp_path_factory):
+    """Conversations whose answers are the micro target's own greedy continuations."""
+    target = load_causal_lm(micro_llama_dir)
+    rows = []
+    for i, question in enumerate(QUESTIONS):
+        conv = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
+        answer = tokenizer.decode(greedy_generate(target, ids, 48).output_ids, skip_special_tokens=True)
+        rows.append({"id": str(i), "conversations": conv + [{"role": "assistant", "content": answer}]})
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    io.write_jsonl(path, rows + rows[:1])           # the last row is the (here: repeated) held-out one
+    return path, rows
+
+
+def tiny_params(**changes):
+    P = load_params("tiny")["drafter"]
+    P.update(num_layers=1, block_size=8, num_anchors=48, heldout_prompts=1, epochs=1000, max_steps=60,
+             batch_size=2, grad_accum=1, save_every=30, log_every=10, eval_max_new_tokens=40, lr=3e-3,
+             precision="fp32", resume=True)
+    P.update(changes)
+    return P
+
+
+@pytest.mark.slow
+def test_drafter_learns_its_corpus(micro_llama_dir, tokenizer, corpus, tmp_path):
+    path, rows = corpus
+    P = tiny_params()
+    result = train_run("learn", micro_llama_dir, path, tmp_path / "run", P, tokenizer, device="cpu")
+    assert result.history[-1]["loss"] < result.history[0]["loss"] / 3
+    target = load_target(micro_llama_dir, "cpu", "fp32")
+    prompts = prompt_ids(tokenizer, rows[:3])
+    report = measure_drafter(result.final, target, prompts, stop_ids(tokenizer, target.config), P)
+    assert report.tau > 4.0, report
+
+
+def test_interrupted_training_resumes_to_the_same_result(micro_llama_dir, tokenizer, corpus, tmp_path):
+    import shutil
+    path, _ = corpus
+    out = tmp_path / "run"
+    P = tiny_params(max_steps=6, save_every=2, log_every=1)
+    straight = train_run("resume", micro_llama_dir, path, out, P, tokenizer, device="cpu")
+    assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 6]
+    want = load_drafter(straight.final).state_dict()
+    # pretend the run died after step 4
+    shutil.rmtree(out / "checkpoints" / "step_000006")
+    shutil.rmtree(out / "drafter")
+    logs = []
+    resumed = train_run("resume", micro_llama_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
+    assert any("resuming from step_000004" in line for line in logs)
+    assert [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5, 6]
+    got = load_drafter(resumed.final).state_dict()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    # other settings never resume from these checkpoints
+    logs.clear()
+    train_run("resume", micro_llama_dir, path, out, tiny_params(max_steps=2, save_every=2, lr=1e-4), tokenizer,
+              device="cpu", log=logs.append)
+    assert not any("resuming" in line for line in logs)
