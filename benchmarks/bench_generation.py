@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
     ap.add_argument("--hf-batch", type=int, default=16, help="also time batched HF generate (0: skip)")
+    ap.add_argument("--hf-prompts", type=int, default=4, help="prompts answered at batch 1")
     args = ap.parse_args()
 
     teacher = teacher_dir("smollm2")
@@ -68,7 +69,7 @@ def main() -> None:
         return lambda i: generate_hf(teacher, prompts, work / f"hf{batch}_{i}.jsonl",
                                      dict(gen, hf_batch_size=batch), device="cpu")
 
-    results.append(("transformers generate, batch 1", measure(hf_run(1, 4), args.repeats)))
+    results.append(("transformers generate, batch 1", measure(hf_run(1, args.hf_prompts), args.repeats)))
     if args.hf_batch:
         results.append((f"transformers generate, batch {args.hf_batch}",
                         measure(hf_run(args.hf_batch, args.hf_batch), args.repeats)))

@@ -21,8 +21,8 @@ Output: one JSON object per line, the prompt row's own keys kept, plus
   gen_model          the model that answered (path or name)
   sampling           the sampling parameters sent
 Rows are appended and flushed one by one to `<out>.partial.jsonl`; the finished file is renamed to
-`<out>` only when a run ends, so a later stage never reads a half-written file. A re-run skips the ids
-already answered (in either file). Requests that still fail after all retries go to
+`<out>` only when a run ends, so a later stage never reads a half-written file. A re-run skips the
+prompts already answered with the same messages, sampling and model (rows made otherwise are dropped). Requests that still fail after all retries go to
 `<out stem>.failures.jsonl` with the error (that file describes the latest run; a re-run retries them).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from eqc_utils.io import read_jsonl
+from eqc_utils.io import read_jsonl, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -145,19 +145,33 @@ def failures_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.stem + ".failures.jsonl")
 
 
-def open_for_resume(out_path: Path) -> tuple[set, "RowWriter"]:
-    """Ids already answered, and a writer appending to the partial file. A finished output from an
-    earlier run becomes the partial file again (rename, so nothing is copied or lost)."""
+def open_for_resume(out_path: Path, prompts: list[tuple[dict, list[dict]]], sampling: dict,
+                    gen_model: str) -> tuple[list, "RowWriter"]:
+    """The prompts still to answer, and a writer appending to the partial file. A finished output
+    of an earlier run becomes the partial file again (a rename: nothing copied, nothing lost).
+
+    An earlier row counts as done only if it answered the same messages with the same sampling and
+    model; other rows (prompts or params changed since) are dropped, so the output always matches
+    the current settings. A model retrained in place under the same path is not detected: delete
+    the output to regenerate it."""
     work = partial_path(out_path)
     if out_path.exists():
         if work.exists():
             raise FileExistsError(f"both {out_path} and {work} exist; keep the one you trust and delete the other")
         os.replace(out_path, work)
+    wanted = {row["id"]: msgs for row, msgs in prompts}
     done = set()
     if work.exists():
         _drop_torn_last_line(work)
-        done = {row["id"] for row in read_jsonl(work)}
-    return done, RowWriter(work)
+        earlier = read_jsonl(work)
+        kept = [r for r in earlier if r.get("id") in wanted and r.get("conversations", [])[:-1] == wanted[r["id"]]
+                and r.get("sampling") == sampling and r.get("gen_model") == gen_model]
+        if len(kept) < len(earlier):
+            log.warning("%s: %d of %d earlier rows answered other prompts or used other sampling/model "
+                        "settings; they are dropped and regenerated", work, len(earlier) - len(kept), len(earlier))
+            write_jsonl(work, kept)
+        done = {r["id"] for r in kept}
+    return [(row, msgs) for row, msgs in prompts if row["id"] not in done], RowWriter(work)
 
 
 def _drop_torn_last_line(path: Path) -> None:
@@ -293,11 +307,10 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
 
     out_path = Path(out_path)
     prompts = load_prompts(prompts_path, gen["limit"])
-    done, writer = open_for_resume(out_path)
-    todo = [(row, msgs) for row, msgs in prompts if row["id"] not in done]
-    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="vllm")
     sampling = sampling_params(gen)
     gen_model = gen_model or served_name
+    todo, writer = open_for_resume(out_path, prompts, sampling, gen_model)
+    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="vllm")
     endpoints = Endpoints(base_urls, gen["backoff"], gen["max_backoff"])
     clients = {u: openai.AsyncOpenAI(base_url=u, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=0)
                for u in base_urls}

@@ -38,10 +38,9 @@ def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Pat
     out_path = Path(out_path)
     device = pick_device(device)
     prompts = load_prompts(prompts_path, gen["limit"])
-    done, writer = open_for_resume(out_path)
-    todo = [(row, msgs) for row, msgs in prompts if row["id"] not in done]
-    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="transformers")
     sampling = sampling_params(gen)
+    todo, writer = open_for_resume(out_path, prompts, sampling, str(model))
+    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="transformers")
     started = time.monotonic()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -27,3 +27,37 @@ def load_causal_lm(path):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def chain_target_dir(micro_llama_dir, tokenizer, tmp_path_factory):
+    """A micro Llama whose greedy text is a deterministic chain of whole English words.
+
+    A random micro model is unfit for learning tests: its logits are nearly flat and its greedy text
+    (runs of newlines) does not survive decode -> re-tokenise. Here 400 word tokens get unit-direction
+    embeddings of norm 3 and an untied head whose row for word v is the embedding of word perm(v), so
+    the next token follows a fixed permutation of the previous one: text with real structure to learn,
+    and that re-tokenises to the same ids."""
+    import re
+    from transformers import AutoModelForCausalLM
+
+    vocab = tokenizer.convert_ids_to_tokens(list(range(49152)))
+    words = torch.tensor([i for i, s in enumerate(vocab) if re.fullmatch(r"Ġ[a-z]{3,8}", s or "")][:400])
+    target = AutoModelForCausalLM.from_pretrained(str(micro_llama_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        emb = target.get_input_embeddings().weight
+        rows = torch.randn(len(words), emb.shape[1], generator=g)
+        rows = 3 * rows / rows.norm(dim=1, keepdim=True)
+        emb[words] = rows
+        head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        head.weight.copy_(emb * 0.1)
+        head.weight[words] = rows[torch.randperm(len(words), generator=g)]
+    target.config.tie_word_embeddings = False
+    target.lm_head = head
+    path = tmp_path_factory.mktemp("drafter") / "chain_llama"
+    target.save_pretrained(path)
+    for f in micro_llama_dir.iterdir():          # the tokenizer files saved beside the micro model
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (path / f.name).write_bytes(f.read_bytes())
+    return path

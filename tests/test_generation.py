@@ -97,7 +97,7 @@ def test_generates_rows_with_the_documented_schema(server, tmp_path):
         assert row["prompt_tokens"] > 5 and row["gen_model"] == "micro"
         assert row["sampling"] == {"max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert stats.completion_tokens == sum(r["completion_tokens"] for r in rows) and stats.tokens_per_s > 0
-    again = generate(prompts, out, server.base_urls, gen_params())
+    again = generate(prompts, out, server.base_urls, gen_params(max_tokens=12), gen_model="micro")
     assert again.already_done == 6 and again.new_rows == 0 and len(read_rows(out)) == 6
 
 
@@ -164,6 +164,9 @@ def test_transformers_backend_writes_the_same_rows_and_resumes(model, tmp_path):
         assert row["finish_reason"] in ("stop", "length") and row["prompt_tokens"] > 5
     stats = generate_hf(model, prompts, out, {**gen, "limit": None}, device="cpu")
     assert stats.already_done == 3 and stats.new_rows == 2 and len(read_rows(out)) == 5
+    stats = generate_hf(model, prompts, out, {**gen, "limit": None, "max_tokens": 4}, device="cpu")
+    assert stats.already_done == 0 and stats.new_rows == 5, "rows made with other sampling must be redone"
+    assert [r["sampling"]["max_tokens"] for r in read_rows(out)] == [4] * 5
 
 
 def test_a_torn_last_line_is_dropped_on_resume(model, tmp_path):

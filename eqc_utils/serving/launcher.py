@@ -31,13 +31,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import weakref
 from pathlib import Path
 from typing import Mapping, Sequence
 
 LOG_TAIL_LINES = 40
 STAGGER_SECONDS = 4.0       # between GPU servers: simultaneous loads were seen to collide (METHOD.md §1.4)
-_LIVE: "weakref.WeakSet[VLLMServers]" = weakref.WeakSet()
+_LIVE: "set[VLLMServers]" = set()     # strong references: a server nobody holds still gets stopped at exit
 
 
 class ServerStartError(RuntimeError):
