@@ -106,6 +106,7 @@ SCHEMA: dict = {
         "init_pack": Opt(str),             # HF id or local folder, used when init = ct_pack
         "calib_samples": int,              # AWQ calibration sequences (from the teacher data)
         "calib_seq_len": int,
+        "awq_tokens_per_batch": int,
         "min_quantized_modules": int,      # abort the grid pin if fewer modules got an INT4 quantiser
     },
     # ---- stage 2: quantisation-aware distillation (eqc_utils.quant.qad)
@@ -150,6 +151,7 @@ SCHEMA: dict = {
         "ct_version": str,                 # version string written into quantization_config
         "verify_prompts": int,             # prompts on which vLLM's greedy output must equal the dense twin's
         "verify_max_tokens": int,
+        "vllm_check": bool,
         "vllm_args": ANY_DICT,
     },
     # ---- stage 3: DFlash drafter, 06 pretrain / 07 finetune + direct ablation (eqc_utils.drafter)

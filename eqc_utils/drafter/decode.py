@@ -9,7 +9,9 @@ measure acceptance during training and to check losslessness. Named steps, as in
             from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's
   commit    keep the accepted positions in the target's cache, drop the rest
 
-tau (acceptance length) = tokens emitted per verification step, bonus included (1 <= tau <= B).
+tau (mean acceptance length) = accepted drafts + 1 (the bonus) per verification step, 1 <= tau <= B,
+counted as vLLM counts it (1 + accepted / drafts): a final step cut short by max_new_tokens or a stop
+token still counts what it accepted.
 
 Targets with recurrent layers (Qwen3.5's Gated DeltaNet) keep a running state that a KV-cache crop
 cannot rewind: before each verification we snapshot those states; after a partial acceptance we
@@ -30,14 +32,14 @@ from eqc_utils.drafter.model import DFlashDrafter, DraftCache
 @dataclass
 class GenerationStats:
     output_ids: list[int]
-    emitted_per_step: list[int] = field(default_factory=list)   # tokens per verification step (incl. bonus)
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + bonus, per verification step
     accepted_at: list[int] = field(default_factory=list)        # accepted_at[k-1]: steps whose draft k was accepted
     drafted_at: list[int] = field(default_factory=list)         # drafted_at[k-1]: steps that verified a draft k
     seconds: float = 0.0
 
     @property
     def tau(self) -> float:
-        return sum(self.emitted_per_step) / max(1, len(self.emitted_per_step))
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
 
 
 class TargetSession:
@@ -137,7 +139,7 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
         if token in stop_ids or len(out) == max_new_tokens:
             break
         logits, _ = session.forward(torch.tensor([[token]], device=device))
-    return GenerationStats(out, emitted_per_step=[1] * len(out), seconds=time.perf_counter() - started)
+    return GenerationStats(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
 
 
 class DraftFn:
@@ -228,7 +230,7 @@ def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[
                 emitted = emitted[:i + 1]
                 break
         out += emitted
-        stats.emitted_per_step.append(len(emitted))
+        stats.acceptance_lengths.append(committed)
         start += committed
         token = next_token
     stats.output_ids = out
@@ -239,8 +241,8 @@ def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[
 @dataclass
 class AcceptanceReport:
     tau: float
-    steps: int
-    tokens: int
+    steps: int                                # verification steps
+    tokens: int                               # generated tokens
     acceptance_per_position: list[float]      # P(draft k accepted), k = 1..B-1
     per_prompt_tau: list[float]
     seconds: float
@@ -249,19 +251,20 @@ class AcceptanceReport:
 def measure_acceptance(target: nn.Module, proposer: DraftFn, prompts: list[list[int]], max_new_tokens: int,
                        stop_ids: set[int] = frozenset(), temperature: float = 0.0, seed: int = 0,
                        progress: bool = True) -> AcceptanceReport:
-    """tau over several prompts: total emitted tokens / total verification steps (pooled, as vLLM's
-    1 + accepted/drafts), with per-position acceptance rates."""
+    """tau over several prompts: summed acceptance lengths / verification steps (pooled, as vLLM's
+    1 + accepted / drafts), with per-position acceptance rates."""
     from tqdm.auto import tqdm
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
-    emitted = steps = 0
+    lengths = steps = tokens = 0
     accepted = drafted = None
     per_prompt, started = [], time.perf_counter()
     for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress):
         s = speculative_generate(target, proposer, ids, max_new_tokens, stop_ids, temperature, generator)
-        emitted += sum(s.emitted_per_step)
-        steps += len(s.emitted_per_step)
+        lengths += sum(s.acceptance_lengths)
+        steps += len(s.acceptance_lengths)
+        tokens += len(s.output_ids)
         accepted = s.accepted_at if accepted is None else [a + b for a, b in zip(accepted, s.accepted_at)]
         drafted = s.drafted_at if drafted is None else [a + b for a, b in zip(drafted, s.drafted_at)]
         per_prompt.append(s.tau)
     rates = [a / d if d else 0.0 for a, d in zip(accepted or [], drafted or [])]
-    return AcceptanceReport(emitted / max(1, steps), steps, emitted, rates, per_prompt, time.perf_counter() - started)
+    return AcceptanceReport(lengths / max(1, steps), steps, tokens, rates, per_prompt, time.perf_counter() - started)
