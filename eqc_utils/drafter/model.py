@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
+from eqc_utils.drafter.mask import flex_attend, is_block_mask
 from eqc_utils.io import atomic_path
 
 CONFIG_FILE = "config.json"
@@ -164,14 +166,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Rope(nn.Module):
+    """Rotary embedding. The frequencies are recomputed in fp32 on every call rather than kept in a
+    buffer, which `.to(bfloat16)` would round (positions in the thousands then rotate wrongly)."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
-        freqs = positions[..., None].float() * self.inv_freq
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
+        freqs = positions[..., None].float() * (1.0 / self.theta ** exponents)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -228,7 +233,6 @@ class DFlashAttention(nn.Module):
 
 def attend(q, k, v, mask) -> torch.Tensor:
     """Non-causal attention; `mask` is None (all visible), a dense boolean mask, or a flex BlockMask."""
-    from eqc_utils.drafter.mask import is_block_mask, flex_attend
     if is_block_mask(mask):
         return flex_attend(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -248,7 +252,6 @@ class DFlashLayer(nn.Module):
 
 
 def _mlp_config(cfg: DrafterConfig):
-    from types import SimpleNamespace
     return SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act="silu",
                            mlp_bias=False)
 
