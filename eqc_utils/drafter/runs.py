@@ -115,3 +115,35 @@ def vllm_agreement(served_target: Path, result: RunResult, P: dict, tokenizer, l
 
 def json_block_size(drafter_dir: Path) -> int:
     return int(io.read_json(Path(drafter_dir) / "config.json")["block_size"])
+
+
+def main(argv=None) -> None:
+    """One process of a data-parallel drafter run, as a cluster job starts it:
+
+        accelerate launch --num_processes 8 -m eqc_utils.drafter.runs --profile paper --name pretrain \\
+            --target TARGET --data teacher.jsonl --out runs/paper/06_drafter_pretrain/pretrain
+    """
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eqc_utils.params import load_params
+
+    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--overrides", default="{}", help="JSON mapping of dotted params keys to values")
+    ap.add_argument("--name", required=True, help="pretrain, finetune or direct")
+    ap.add_argument("--target", required=True, help="folder of the frozen target")
+    ap.add_argument("--data", required=True, help="training conversations (JSONL)")
+    ap.add_argument("--out", required=True, help="run folder (checkpoints/, drafter/, history.json)")
+    ap.add_argument("--init-from", default=None, help="warm start from this drafter folder")
+    args = ap.parse_args(argv)
+    params = load_params(args.profile, json.loads(args.overrides))
+    train_run(args.name, Path(args.target), Path(args.data), Path(args.out), params["drafter"],
+              AutoTokenizer.from_pretrained(args.target), device=params["device"], seed=params["seed"],
+              init_from=args.init_from)
+
+
+if __name__ == "__main__":
+    main()

@@ -194,6 +194,8 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
         usable = steps_per_epoch * P["grad_accum"]
         for index in range(counters["batch"], usable):
             batch = collate([examples[i] for i in batches[index]], accelerator.device)
+            # anchors depend only on (seed, rank, epoch, batch): a resumed or re-launched run draws the same ones
+            generator.manual_seed(seed + 1_000_003 * rank + 7_919 * counters["epoch"] + index)
             with accelerator.accumulate(drafter), accelerator.autocast():
                 loss, stats = drafter_step(drafter, target, batch, P, generator)
                 accelerator.backward(loss)

@@ -226,6 +226,8 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
     accum = accelerator.gradient_accumulation_steps
     device = accelerator.device
     main = accelerator.is_main_process
+    if main:
+        print(f"QAD: {world} process(es) on {device}, {accum} accumulation step(s) per process", flush=True)
     torch.manual_seed(params["seed"])
 
     # -- data
@@ -439,6 +441,9 @@ def write_accelerate_config(params: dict, stage_dir: Path) -> Path:
     """accelerate config (+ the DeepSpeed JSON with batch sizes filled in) for `accelerate launch`."""
     import yaml
     qad = params["qad"]
+    # Several processes: accelerate's torch.distributed launcher starts them; each process's Accelerator
+    # then picks NCCL on GPUs or gloo on CPUs (params device: cpu), which is how CI tests this path.
+    # (accelerate's own MULTI_CPU type expects an external mpirun and would start one process only.)
     config = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0,
               "num_processes": qad["num_processes"], "mixed_precision": mixed_precision(params),
               "distributed_type": "MULTI_GPU" if qad["num_processes"] > 1 else "NO"}
