@@ -107,3 +107,17 @@ def test_vocab_mismatch_between_teacher_and_init_is_a_clear_error(teacher, tmp_p
     small = AutoModelForCausalLM.from_pretrained(teacher)
     with pytest.raises(VocabMismatchError, match="same tokenizer and vocabulary"):
         check_same_vocab(small.get_output_embeddings(), big.get_output_embeddings())
+
+
+def test_changed_inputs_discard_earlier_artifacts(teacher, tmp_path):
+    params = micro_params(max_steps=2, save_every=2)
+    root = _prepared(tmp_path / "stage", teacher, params, teacher_rows(6))
+    qad.train_qad(params, root, teacher)
+    assert qad.checkpoint_steps(root / "ckpts") == [2]
+    # same inputs: everything is kept (an interrupted stage resumes)
+    _prepared(root, teacher, params, teacher_rows(6))
+    assert qad.checkpoint_steps(root / "ckpts") == [2]
+    # another learning rate: the checkpoints were made with other settings and must not be resumed
+    changed = micro_params(max_steps=2, save_every=2, lr=1e-5)
+    _prepared(root, teacher, changed, teacher_rows(6))
+    assert not (root / "ckpts").exists() and (root / "data" / "meta.json").exists()

@@ -14,6 +14,7 @@ latent weights + grid_amax.safetensors), summary.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -43,8 +44,13 @@ class QADError(RuntimeError):
 # ---------------------------------------------------------------- preparation (one process)
 
 def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher_path: Path, tokenizer) -> dict:
-    """Pack the teacher data and make (or locate) the INT4 init pack. Idempotent."""
+    """Pack the teacher data and make (or locate) the INT4 init pack. Idempotent for the same inputs; when the
+    teacher data or the quant/qad settings changed, earlier packs, init and checkpoints are discarded so that a
+    re-run never resumes from artifacts made with other inputs."""
     qad, quant = params["qad"], params["quant"]
+    _discard_stale(stage_dir, {"rows": hashlib.sha256(json.dumps(teacher_rows, sort_keys=True).encode()).hexdigest(),
+                               "teacher": str(teacher_path), "quant": quant,
+                               "qad": {k: v for k, v in qad.items() if k != "resume"}})
     data_dir = stage_dir / "data"
     if not (data_dir / "meta.json").exists():
         rows = teacher_rows[: qad["max_rows"]] if qad["max_rows"] else teacher_rows
@@ -57,6 +63,16 @@ def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher
             write_json(tmp / "meta.json", packs["meta"])
     meta = read_json(data_dir / "meta.json")
     return {"data": meta, "init_pack": str(init_pack_dir(params, stage_dir, teacher_path))}
+
+
+def _discard_stale(stage_dir: Path, inputs: dict) -> None:
+    marker = stage_dir / "inputs.digest"
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    if marker.exists() and marker.read_text().strip() != digest:
+        for stale in ("data", "ptq_ct", "ckpts", "qad_student"):
+            shutil.rmtree(stage_dir / stale, ignore_errors=True)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(digest + "\n")
 
 
 def init_pack_dir(params: dict, stage_dir: Path, teacher_path: Path) -> Path:
