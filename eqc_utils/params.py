@@ -263,8 +263,14 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`qad.lr=1e-5` -> ('qad.lr', 1e-05). Values are parsed as YAML, so lists and null work too."""
     if "=" not in text:
         raise ParamsError(f"override '{text}': expected KEY=VALUE, e.g. -p qad.lr=1e-5")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string; a number is meant
+        try:
+            value = int(value) if value.lstrip("+-").isdigit() else float(value)
+        except ValueError:
+            pass
+    return key.strip(), value
 
 
 def apply_overrides(raw: dict, overrides: dict, source: str) -> dict:

@@ -186,8 +186,13 @@ def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, 
     profile = params["profile"]
     stages = select(registered(), paper_stage=paper_stage, only=only, start=start)
     results: list[StageResult] = []
+    will_run: set[str] = set()
     for spec in stages:
         reason = why_run(spec, params, profile, force)
+        if reason is None and will_run & set(spec.upstream):
+            reason = "upstream " + ", ".join(sorted(will_run & set(spec.upstream))) + " runs first"
+        if reason is not None:
+            will_run.add(spec.name)
         if dry_run:
             log(f"[{spec.name}] {'would run: ' + reason if reason else 'would skip: up to date'}")
             continue

@@ -48,6 +48,8 @@ def test_enum_and_nested_quota_types(tmp_path):
 
 def test_cli_overrides_are_parsed_typed_and_validated():
     assert parse_override("prompts.oversample=1.5") == ("prompts.oversample", 1.5)
+    assert parse_override("qad.lr=1e-5") == ("qad.lr", 1e-5)
+    assert parse_override("prompts.default_system_prompt=Be brief.") == ("prompts.default_system_prompt", "Be brief.")
     params = load_params("tiny", ["prompts.oversample=2", "prompts.manifest=null"])
     assert params["prompts"]["oversample"] == 2.0 and isinstance(params["prompts"]["oversample"], float)
     with pytest.raises(ParamsError, match="unknown key 'prompts.nope'"):
