@@ -292,7 +292,9 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
     def evaluate(step: int) -> None:
         student.eval()
         mine = slice(rank, eval_n, world)
-        stats = mean_kl(student, teacher, inner.head, val["input_ids"][mine].to(device),
+        # the unwrapped model: ranks may hold different numbers of held-out chunks, and every forward of the
+        # DDP wrapper is a collective (buffer broadcast) that would then wait forever
+        stats = mean_kl(inner, teacher, inner.head, val["input_ids"][mine].to(device),
                         val["weights"][mine].to(device), qad)
         sums = torch.tensor([stats["kl"] * stats["tokens"], stats["top1"] * stats["tokens"], stats["tokens"]],
                             device=device)
