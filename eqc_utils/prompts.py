@@ -14,6 +14,7 @@ Output schema (one JSON object per line, `prompts_stage{1,2}.jsonl`):
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 import logging
 import random
 from dataclasses import dataclass
@@ -58,15 +59,17 @@ def user_text_hash(conversation: list[dict]) -> str:
 
 # ---------------------------------------------------------------- sources
 
-class PromptSource:
+class PromptSource(ABC):
     """Rows by split: dicts with `uuid`, `messages`, `category`, `reasoning`."""
     name = "source"
 
+    @abstractmethod
     def splits(self) -> list[str]:
-        raise NotImplementedError
+        """The splits this source has rows for."""
 
+    @abstractmethod
     def iter_rows(self, split: str) -> Iterator[dict]:
-        raise NotImplementedError
+        """Rows of one split, in a fixed order."""
 
 
 def _mmlu_text(row: dict) -> str:
