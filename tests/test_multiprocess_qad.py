@@ -3,6 +3,7 @@ run with 2 CPU processes over gloo on a micro Llama: the launcher works, the sha
 state per rank + the exported student) is saved and resumed, and 2 processes x micro-batch 1 give the same
 weights as 1 process x 2 accumulation steps (same global batch)."""
 import json
+import re
 import os
 import shutil
 
@@ -50,7 +51,7 @@ def test_two_cpu_processes_match_one_and_resume(tmp_path, monkeypatch):
     profile.write_text(yaml.safe_dump(params))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     summary = qad.run_qad(params, str(profile), {}, multi, teacher, log=lambda line: None)
-    assert "QAD: 2 process(es) on cpu, 1 accumulation step(s) per process" in (multi / "launch.log").read_text()
+    assert re.search(r"QAD: 2 process\(es\) on cpu(:0)?, 1 accumulation step\(s\) per process", (multi / "launch.log").read_text())
     assert (multi / "ckpts" / "step-2" / "state").is_dir()
     assert summary["steps"] == 2
     a, b = _student_weights(single, 2), _student_weights(multi, 2)
