@@ -190,13 +190,11 @@ def micro_llama(path: str | Path, *, hidden: int = 128, layers: int = 2, heads: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok_dir = teacher_dir() if tokenizer == "smollm2" else qwen_tokenizer_dir()
-    tok = json.loads((tok_dir / "tokenizer_config.json").read_text())
     vocab = 49152 if tokenizer == "smollm2" else 248320
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=True,
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    del tok
     torch.manual_seed(seed)
     return _save_micro(LlamaForCausalLM(config), tok_dir, Path(path))
 
