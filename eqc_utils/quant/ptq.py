@@ -42,7 +42,8 @@ def resolve_pack(spec: str, hub_allowed: bool) -> Path:
     return Path(snapshot_download(spec, allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja"]))
 
 
-def awq_pack(teacher_path: Path, calib_ids: torch.Tensor, quant: dict, pack: dict, out_dir: Path) -> dict:
+def awq_pack(teacher_path: Path, calib_ids: torch.Tensor, quant: dict, pack: dict, out_dir: Path,
+             device: str = "cpu") -> dict:
     """PTQ of the teacher with modelopt AWQ (clip search), written as a compressed-tensors pack.
 
     The pack stores scales in `pack.scale_dtype`; the grid is snapped onto those storable scales
@@ -50,18 +51,20 @@ def awq_pack(teacher_path: Path, calib_ids: torch.Tensor, quant: dict, pack: dic
     """
     from tqdm.auto import tqdm
 
-    model = load_causal_lm(teacher_path)
+    # The clip search runs where the model is: on a GPU it takes seconds, on 2 CPU cores minutes.
+    model = load_causal_lm(teacher_path).to(device)
 
     def forward_loop(m):
         with torch.no_grad():
             for row in tqdm(calib_ids, desc="AWQ calibration", leave=False):
-                m(row[None])
+                m(row[None].to(device))
 
     # awq_clip scores 11 clip ratios per group on a subsample of each Linear's input tokens; its cost grows
     # with that subsample (quant.awq_tokens_per_batch), which the tiny profile keeps small for 2 CPU cores.
     algorithm = {"method": "awq_clip", "max_tokens_per_batch": quant["awq_tokens_per_batch"],
                  "max_co_batch_size": 4096}  # modelopt fake-quantises the whole weight once per output batch
     grid.attach_int4_quantizers(model, quant, forward_loop=forward_loop, algorithm=algorithm)
+    model.to("cpu")
     storable = getattr(torch, pack["scale_dtype"])
     grid.pin_grid(model, {name: grid.grid_scales(m).to(storable).float()
                           for name, m in grid.quantized_modules(model).items()})
