@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=["train", "decode", "both"], default="both")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--decode-precision", choices=["bf16", "fp32"], default=None,
+                    help="target dtype when decoding (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--anchors", type=int, default=32)
@@ -147,7 +149,7 @@ def main() -> None:
         rows += bench_train(target, tokenizer, args, device)
     if args.mode in ("decode", "both"):
         # decode in the serving dtype: bf16 on CUDA, fp32 on CPU (bf16 matmuls are slow there at batch 1)
-        target = load_target(target_dir, device, "bf16" if device.startswith("cuda") else "fp32")
+        target = load_target(target_dir, device, args.decode_precision or ("bf16" if device.startswith("cuda") else "fp32"))
         with torch.no_grad():
             rows += bench_decode(target, tokenizer, args, device)
     width = max(len(str(k)) for k, _ in rows)

@@ -11,6 +11,9 @@ set -u
 cd "$(dirname "$0")/.."
 LOGS=runs/small/_gpu
 mkdir -p "$LOGS"
+# figures/small is tracked: each device call re-syncs the working tree and would delete figures made there
+# between calls, so this run writes them under runs/ (ignored, kept between calls) and collect() returns them
+export EQC_FIGURES_DIR=$PWD/runs/_figures
 
 stage() {  # one stage, its run_all output in its own log
   python3 run_all.py --profile small --only "$1" > "$LOGS/stage_$1.log" 2>&1
@@ -50,8 +53,8 @@ collect() {  # small files into one archive; the drafters in pieces that fit the
   local out=$1
   tar czf "$out/small_results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.jsonl.partial' \
     runs/small/*/metrics.json runs/small/*/summary.json runs/small/*/*.json runs/small/*/*/*.json \
-    runs/small/*/*.png runs/small/03_qad_target/*.jsonl runs/small/*/params.resolved.yaml figures/small "$LOGS" \
-    reports/small 2>/dev/null
+    runs/small/*/*.png runs/small/03_qad_target/*.jsonl runs/small/0[25]_*/*.jsonl runs/small/*/params.resolved.yaml \
+    runs/_figures "$LOGS" reports/small 2>/dev/null
   ls -la "$out"
 }
 

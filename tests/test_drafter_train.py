@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eqc_utils import io
+from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import greedy_generate
 from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
@@ -27,8 +28,21 @@ def corpus(chain_target_dir, tokenizer, tmp_path_factory):
         answer = tokenizer.decode(greedy_generate(target, ids, 48).output_ids, skip_special_tokens=True)
         rows.append({"id": str(i), "conversations": conv + [{"role": "assistant", "content": answer}]})
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    io.write_jsonl(path, rows + rows[:1])           # the last row is the (here: repeated) held-out one
+    io.write_jsonl(path, rows)                      # split_heldout keeps one of them (smallest md5 of its id) out
     return path, rows
+
+
+def test_heldout_rows_depend_on_ids_not_on_file_order():
+    rows = [{"id": f"row-{i}", "n": i} for i in range(50)]
+    train, heldout = split_heldout(rows, 5)
+    assert len(train) == 45 and len(heldout) == 5
+    assert not {r["id"] for r in train} & {r["id"] for r in heldout}
+    # generators write rows in completion or prompt-length order: the held-out set must not follow it
+    _, heldout_reversed = split_heldout(rows[::-1], 5)
+    assert {r["id"] for r in heldout_reversed} == {r["id"] for r in heldout}
+    assert [r["n"] for r in heldout] != list(range(45, 50))
+    with pytest.raises(ValueError, match="heldout_prompts=50"):
+        split_heldout(rows, 50)
 
 
 def tiny_params(**changes):

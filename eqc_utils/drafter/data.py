@@ -7,6 +7,7 @@ after truncation to `max_length` are dropped (too short to place a block).
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -89,9 +90,13 @@ def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, ran
 
 
 def split_heldout(rows: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows): the last `heldout` rows are kept out of training and serve as
-    the prompts on which acceptance is measured. Files are written in a fixed order, so the split is
-    the same for every run that reads the same file."""
+    """(training rows, held-out rows): the `heldout` rows with the smallest md5 of their id are kept out
+    of training and serve as the prompts on which acceptance is measured. Chosen by id, not by file
+    position: the generators write rows in completion order (vLLM) or prompt-length order
+    (transformers), so "the last rows" would be a biased sample, e.g. the longest prompts."""
     if heldout >= len(rows):
         raise ValueError(f"drafter.heldout_prompts={heldout} leaves no training data out of {len(rows)} rows")
-    return rows[:len(rows) - heldout], rows[len(rows) - heldout:]
+    keys = [hashlib.md5(str(row.get("id", i)).encode()).hexdigest() for i, row in enumerate(rows)]
+    chosen = set(sorted(range(len(rows)), key=keys.__getitem__)[:heldout])
+    return ([row for i, row in enumerate(rows) if i not in chosen],
+            [row for i, row in enumerate(rows) if i in chosen])

