@@ -6,17 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eqc_utils.devices import resolve_device
 from eqc_utils.generation import (GenerationStats, finish_output, load_prompts, open_for_resume, output_row,
                                   reconstruct_text, sampling_params)
-
-
-def pick_device(device: str) -> str:
-    import torch
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("params device is 'cuda' but torch sees no CUDA device; set device: auto or cpu")
-    return device
 
 
 def render_prompt(tokenizer, messages: list[dict], thinking: str) -> list[int]:
@@ -36,7 +28,7 @@ def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_path = Path(out_path)
-    device = pick_device(device)
+    device = resolve_device(device)
     prompts = load_prompts(prompts_path, gen["limit"])
     sampling = sampling_params(gen)
     todo, writer = open_for_resume(out_path, prompts, sampling, str(model))

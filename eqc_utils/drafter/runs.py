@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from eqc_utils import io
+from eqc_utils.devices import resolve_device
 from eqc_utils.drafter.data import prompt_messages, split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
 from eqc_utils.drafter.model import load_drafter
-from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, resolve_device, train_drafter
+from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, train_drafter
 
 TAU_FILE = "tau.json"
 

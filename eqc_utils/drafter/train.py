@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eqc_utils import io
+from eqc_utils.devices import resolve_device
 from eqc_utils.params import params_digest
 from eqc_utils.drafter.data import build_examples, collate, epoch_batches
 from eqc_utils.drafter.features import context_features, freeze, input_embedding, output_head
@@ -49,14 +50,6 @@ class TrainRun:
     out_dir: Path                   # checkpoints/, drafter/, history.json go here
     init_from: Path | None = None   # warm start: a drafter folder
     history: list[dict] = field(default_factory=list)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("params device: 'cuda' but no CUDA device is visible; use device: auto or cpu")
-    return device
 
 
 def load_target(target_dir: Path, device: str, precision: str):

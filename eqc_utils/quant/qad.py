@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eqc_utils.devices import resolve_device
 from eqc_utils.io import atomic_path, read_json, write_json
 from eqc_utils.quant import grid
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
-from eqc_utils.generation_hf import pick_device
 from eqc_utils.quant.ptq import awq_pack, dense_ptq_model, load_causal_lm, resolve_pack, student_from_pack
 
 STAGE = "03_qad_target"
@@ -87,7 +87,7 @@ def init_pack_dir(params: dict, stage_dir: Path, teacher_path: Path) -> Path:
     if not (out / "config.json").exists():
         train = torch.load(stage_dir / "data" / "train.pt")
         calib = _calibration_ids(train["input_ids"], quant["calib_samples"], quant["calib_seq_len"])
-        awq_pack(teacher_path, calib, quant, params["pack"], out, device=pick_device(params["device"]))
+        awq_pack(teacher_path, calib, quant, params["pack"], out, device=resolve_device(params["device"]))
     return out
 
 
