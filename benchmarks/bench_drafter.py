@@ -23,14 +23,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eqc_utils import assets  # noqa: E402
-from eqc_utils.drafter.data import collate, tokenize_conversation  # noqa: E402
+from eqc_utils.devices import resolve_device  # noqa: E402
+from eqc_utils.drafter.data import collate, split_heldout, tokenize_conversation  # noqa: E402
 from eqc_utils.drafter.decode import DFlashProposer, greedy_generate, speculative_generate  # noqa: E402
 from eqc_utils.drafter.features import context_features  # noqa: E402
-from eqc_utils.drafter.data import prompt_messages, split_heldout  # noqa: E402
-from eqc_utils.drafter.runs import stop_ids  # noqa: E402
-from eqc_utils.io import read_jsonl  # noqa: E402
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, load_drafter  # noqa: E402
-from eqc_utils.drafter.train import drafter_step, load_target, resolve_device  # noqa: E402
+from eqc_utils.drafter.runs import prompt_ids, stop_ids  # noqa: E402
+from eqc_utils.drafter.train import drafter_step, load_target  # noqa: E402
+from eqc_utils.io import read_jsonl  # noqa: E402
 
 TEXT = ("Speculative decoding lets a small drafter propose several tokens that the large target then verifies in "
         "one forward pass; every accepted token saves one sequential target step. ") * 40
@@ -92,18 +92,15 @@ def bench_decode(target, tokenizer, args, device: str) -> list[tuple]:
         cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block,
                                  target_layer_ids=None, mask_token_id=16)
         drafter = DFlashDrafter(cfg).to(device=device, dtype=next(target.parameters()).dtype)
-    if args.data:
-        # the held-out prompts of a drafter run: the last `drafter.heldout_prompts` rows of its JSONL
+    if args.data:   # the held-out prompts of a drafter run (split_heldout's rule, as the run itself uses)
         rows = split_heldout(read_jsonl(args.data), args.prompts)[1]
-        conversations = [prompt_messages(row) for row in rows]
     else:
-        conversations = [[{"role": "user", "content": text}] for text in (
+        rows = [{"conversations": [{"role": "user", "content": text}]} for text in (
             "Explain speculative decoding in two sentences.", "Write a Python function that reverses a list.",
             "What is the capital of France? Answer briefly.")][:args.prompts]
     stops = stop_ids(tokenizer, target.config)
     plain_tps, spec_tps, taus, same = [], [], [], []
-    for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    for ids in prompt_ids(tokenizer, rows):
         plain = greedy_generate(target, ids, args.new_tokens, stops)
         spec = speculative_generate(target, DFlashProposer(drafter, target), ids, args.new_tokens, stops)
         plain_tps.append(len(plain.output_ids) / plain.seconds)
@@ -133,7 +130,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drafter", default=None, help="a trained drafter folder (default: random weights)")
     ap.add_argument("--prompts", type=int, default=3, help="how many prompts (the held-out count with --data)")
-    ap.add_argument("--data", default=None, help="a drafter run's JSONL: decode its held-out prompts (last --prompts rows)")
+    ap.add_argument("--data", default=None, help="a drafter run's JSONL: decode its --prompts held-out prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     device = resolve_device(args.device)

@@ -14,7 +14,6 @@ held-out rule went by id: the transformers generator writes rows sorted by promp
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys

