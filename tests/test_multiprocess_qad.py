@@ -4,11 +4,9 @@ state per rank + the exported student) is saved and resumed, and 2 processes x m
 weights as 1 process x 2 accumulation steps (same global batch)."""
 import json
 import re
-import os
 import shutil
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 from transformers import AutoTokenizer

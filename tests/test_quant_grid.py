@@ -1,6 +1,4 @@
 """The INT4 grid: pinning, the pin proof, codes on the grid through training, clear errors."""
-import copy
-from pathlib import Path
 
 import pytest
 import torch

