@@ -1,6 +1,6 @@
-"""Real-shape GPU benchmark (issue 6): the paper profile's code paths at Qwen3.5-4B shapes, random weights.
+"""Real-shape GPU benchmark: the paper profile's code paths at Qwen3.5-4B shapes, random weights.
 
-    . benchmarks/gpu_env.sh && python3 benchmarks/bench_real_shapes.py --out results.json [--only qad,drafter,decode]
+    . scripts/offline_env.sh && python3 benchmarks/bench_real_shapes.py --out results.json [--only qad,drafter,decode]
 
 Sections (each prints a markdown table with medians and the ratio to the hardware ceiling measured first):
   ceiling  device-to-device copy bandwidth and a bf16 8192^3 GEMM on this GPU
@@ -268,7 +268,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench_real_shapes: needs a CUDA GPU (run it on the lendable H200, see docs/gpu.md)")
+        print("bench_real_shapes: needs a CUDA GPU (run it on a GPU node, see docs/gpu.md)")
         return 0
     import transformers
     only = set(args.only.split(","))
