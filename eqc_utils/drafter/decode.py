@@ -9,9 +9,14 @@ measure acceptance during training and to check losslessness. Named steps, as in
             from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's
   commit    keep the accepted positions in the target's cache, drop the rest
 
+Output: exactly what plain decoding (`greedy_generate`) gives, including where it ends: the first stop
+token is the last token emitted, wherever it lands in a step (prefill token, an accepted draft, the
+bonus), and at most max_new_tokens tokens are emitted; the step in which either happens is the last.
+
 tau (mean acceptance length) = accepted drafts + 1 (the bonus) per verification step, 1 <= tau <= B,
-counted as vLLM counts it (1 + accepted / drafts): a final step cut short by max_new_tokens or a stop
-token still counts what it accepted.
+counted as vLLM counts it (1 + accepted / drafts): the last step counts every draft the target accepted,
+even when its output is cut by max_new_tokens or by a stop token among them (vLLM's scheduler records
+the accepted drafts before it checks for stops and trims the step's tokens).
 
 Targets with recurrent layers (Qwen3.5's Gated DeltaNet) keep a running state that a KV-cache crop
 cannot rewind: before each verification we snapshot those states; after a partial acceptance we
@@ -187,12 +192,15 @@ def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[
     stats = GenerationStats([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
     started = time.perf_counter()
 
+    if max_new_tokens <= 0:
+        return stats
     # prefill: context features of the prompt, first token from the target
     logits, new_context = session.forward(torch.tensor([prompt_ids], device=device))
     token = _pick(logits[0, -1], temperature, generator)
     out = [token]
+    finished = token in stop_ids or len(out) >= max_new_tokens
     start = len(prompt_ids)                 # position of `token`, the next block's anchor
-    while token not in stop_ids and len(out) < max_new_tokens:
+    while not finished:
         # draft
         draft_logits = proposer(token, start, new_context)
         if temperature > 0:
@@ -212,11 +220,25 @@ def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[
             matches = (drafts == predicted[:-1]).int()
             accepted = int(matches.cumprod(0).sum())
             next_token = int(predicted[accepted])
+        committed = accepted + 1
+        # stats, vLLM-style: everything the target accepted in this step, whatever is emitted below
         for k in range(block - 1):
             stats.drafted_at[k] += 1
             stats.accepted_at[k] += int(k < accepted)
+        stats.acceptance_lengths.append(committed)
+        # emit: accepted drafts + the next token, up to and including the first stop token, within the
+        # budget; plain decoding would have ended at whichever of the two comes first
+        emitted = drafts[:accepted].tolist() + [next_token]
+        room = max_new_tokens - len(out)
+        stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
+        if stop_at is not None and stop_at < room:
+            emitted, finished = emitted[:stop_at + 1], True
+        elif len(emitted) >= room:
+            emitted, finished = emitted[:room], True
+        out += emitted
+        if finished:
+            break                           # nothing after this step is needed: skip the commit
         # commit: anchor + accepted drafts are now verified context; the next token is the new anchor
-        committed = accepted + 1
         if committed < block:
             if snapshot is not None:
                 session.rewind(start, snapshot)
@@ -224,14 +246,6 @@ def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[
             else:
                 session.rewind(start + committed, None)
         new_context = features[:, :committed]
-        emitted = drafts[:accepted].tolist() + [next_token]
-        emitted = emitted[:max_new_tokens - len(out)]
-        for i, t in enumerate(emitted):
-            if t in stop_ids:
-                emitted = emitted[:i + 1]
-                break
-        out += emitted
-        stats.acceptance_lengths.append(committed)
         start += committed
         token = next_token
     stats.output_ids = out
