@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,9 @@ SCHEMA: dict = {
         "ct_version": str,                 # version string written into quantization_config
         "verify_prompts": int,             # prompts on which vLLM's greedy output must equal the dense twin's
         "verify_max_tokens": int,
+        # a divergence from the dense twin passes only as a near-tie: the twin's top-2 log-prob margin
+        # (nats) at the first differing token is below this; anything else is a real mismatch
+        "near_tie_margin": float,
         "vllm_check": bool,
         "vllm_args": ANY_DICT,
     },
@@ -183,7 +187,24 @@ SCHEMA: dict = {
         "eval_temperature": float,
         "vllm_check": bool,                # 07 serves target + drafter on vLLM and compares with the reference tau
         "vllm_prompts": int,
+        "near_tie_margin": float,          # as pack.near_tie_margin, for speculative vs plain greedy outputs
         "vllm_args": ANY_DICT,
+    },
+    # ---- stage 3: W4A16 drafter by GPTQ + sliding window, 08 (eqc_utils.quant.gptq, eqc_utils.drafter.quantize/swa)
+    "drafter_quant": {
+        "bits": int,                       # integer weight bits: 4 (the paper's W4A16) or 8
+        "group_size": int,                 # one scale per group of input columns (paper 128); must divide every quantised Linear
+        "percdamp": float,                 # GPTQ damping, x mean Hessian diagonal (paper 0.01)
+        "update_block": int,               # GPTQ columns per lazy-update block; a multiple of group_size
+        "static_groups": bool,             # true: keep the RTN scales; false (paper): scale of a group from its error-updated weights
+        "keep_bf16": ListOf(str),          # regexes (searched, suffix-style) of Linears kept in BF16; [] = all quantised (paper)
+        "calib_conversations": int,        # calibration conversations from the QAD data (paper 256), held-out rows excluded
+        "calib_anchors": int,              # blocks per calibration conversation (paper 16)
+        "window": Opt(int),                # sliding window written into the shipped drafter (paper 1024); null = full attention
+        "sweep_windows": ListOf(int),      # windows of the tau / step-time sweep (full attention is always measured too)
+        "long_prompts": int,               # long-context prompts of the sweep (multi-turn histories of QAD conversations)
+        "long_prompt_tokens": int,         # their length, at most (keep below vllm max-model-len - eval_max_new_tokens)
+        "vllm_check": bool,                # 08 serves the W4 target + W4 drafter on vLLM (held-out + long prompts)
     },
 }
 
@@ -203,10 +224,21 @@ def _type_name(spec) -> str:
     return repr(spec)
 
 
+# A number as written in a YAML file or on the command line: `5e-5`, `-1.5E3`, `.5`, `2`.
+# PyYAML follows YAML 1.1, which reads an exponent without a dot (`5e-5`) as a string.
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _check(value, spec, key: str, source: str) -> Any:
-    """Return the value (ints widened to floats where a float is expected) or raise ParamsError."""
+    """Return the value or raise ParamsError. The only conversions: an int where a float is expected
+    is widened, and a string that is a plain number (`5e-5`, which YAML 1.1 leaves a string) is read
+    as a float where a float is expected. Nothing else is coerced: `seed: "5"` stays an error."""
     def fail():
-        raise ParamsError(f"{source}: key '{key}' expects {_type_name(spec)}, got {type(value).__name__} ({value!r})")
+        hint = ""
+        if isinstance(value, bool) and isinstance(spec, OneOf):
+            hint = "; YAML reads unquoted yes/no/on/off/true/false as booleans: quote the value"
+        raise ParamsError(f"{source}: key '{key}' expects {_type_name(spec)}, "
+                          f"got {type(value).__name__} ({value!r}){hint}")
 
     if isinstance(spec, Opt):
         return None if value is None else _check(value, spec.spec, key, source)
@@ -230,6 +262,8 @@ def _check(value, spec, key: str, source: str) -> Any:
             raise ParamsError(f"{source}: missing key '{_join(key, missing[0])}' ({_type_name(spec[missing[0]])})")
         return {k: _check(value[k], spec[k], _join(key, k), source) for k in spec}
     if spec is float:
+        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail()
         return float(value)
@@ -264,18 +298,37 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ParamsError(f"override '{text}': expected KEY=VALUE, e.g. -p qad.lr=1e-5")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw)
-    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string; a number is meant
-        try:
-            value = int(value) if value.lstrip("+-").isdigit() else float(value)
-        except ValueError:
-            pass
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ParamsError(f"override '{text}': the value is not valid YAML: {err}") from err
+    # YAML 1.1 reads 1e-5 (no dot) as a string; a number is meant. Only unquoted number text is
+    # converted: `"5"` stays the string '5', and `inf`, `nan` or `1_0` stay strings (YAML's own
+    # .inf and .nan are floats already).
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(raw.strip()):
+        value = int(value) if value.lstrip("+-").isdigit() else float(value)
     return key.strip(), value
+
+
+def _cli_override(text: str, source: str) -> tuple[str, Any]:
+    """parse_override, except that a choice typed as it is listed is kept as that string:
+    `-p generation.thinking=off` means 'off', not YAML's boolean false."""
+    key, value = parse_override(text)
+    spec = _spec_at(key, source)
+    spec = spec.spec if isinstance(spec, Opt) else spec
+    raw = text.split("=", 1)[1].strip()
+    if isinstance(spec, OneOf) and raw in spec.choices:
+        value = raw
+    return key, value
 
 
 def apply_overrides(raw: dict, overrides: dict, source: str) -> dict:
     out = copy.deepcopy(raw)
     for dotted, value in overrides.items():
+        if dotted == "profile":
+            raise ParamsError(
+                f"{source}: 'profile' cannot be overridden: it names the results folder runs/<profile>/ and "
+                f"must match the profile file; choose the profile itself (--profile NAME or a YAML file)")
         spec = _spec_at(dotted, source)
         if spec is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -287,15 +340,73 @@ def apply_overrides(raw: dict, overrides: dict, source: str) -> dict:
     return out
 
 
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PARAMS_DIR.glob("*.yaml"))
+
+
 def profile_path(profile: str) -> Path:
-    path = Path(profile)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    path = PARAMS_DIR / f"{profile}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in PARAMS_DIR.glob("*.yaml")))
-        raise ParamsError(f"profile '{profile}': no file {path}; known profiles: {known}")
-    return path
+    """`tiny` -> params/tiny.yaml; a path to a YAML file is taken as it is (a bare file name that is not
+    in the current folder is also looked for in params/). The error lists every path tried."""
+    given = Path(profile)
+    if given.suffix in (".yaml", ".yml") or len(given.parts) > 1:
+        candidates = [given]
+        if len(given.parts) == 1:
+            candidates.append(PARAMS_DIR / given.name)
+    else:
+        candidates = [PARAMS_DIR / f"{profile}.yaml"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    tried = ", ".join(str(p.absolute()) for p in candidates)
+    raise ParamsError(f"profile '{profile}': no such file (tried {tried}); "
+                      f"available profiles: {', '.join(available_profiles())}")
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML document gives the same key twice."""
+
+    def __init__(self, key: str, line: int, first_line: int):
+        super().__init__(f"key '{key}' given twice (line {first_line} and line {line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+def _first_duplicate(node, prefix: str = "", seen_nodes: set | None = None):
+    """(dotted key, line, first line) of the first key given twice in a mapping, else None."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:  # an alias to a node already checked
+        return None
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_lines: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden on purpose
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = _join(prefix, str(key))
+            line = key_node.start_mark.line + 1
+            if key is not None and key in first_lines:
+                return dotted, line, first_lines[key]
+            first_lines.setdefault(key, line)
+            found = _first_duplicate(value_node, dotted, seen_nodes)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _first_duplicate(item, f"{prefix}[{i}]", seen_nodes)
+            if found:
+                return found
+    return None
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (SafeLoader keeps the last one
+    silently, so an edited copy of a key would override the original without a word)."""
+
+    def construct_document(self, node):
+        found = _first_duplicate(node)
+        if found:
+            raise DuplicateKeyError(*found)
+        return super().construct_document(node)
 
 
 def load_params(profile: str = "tiny", overrides: dict | list | None = None) -> dict:
@@ -303,18 +414,27 @@ def load_params(profile: str = "tiny", overrides: dict | list | None = None) -> 
     (or is a list of 'key=value' strings, as given on the command line)."""
     path = profile_path(profile)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+    except DuplicateKeyError as err:
+        raise ParamsError(f"{path}: {err}; remove one of them") from err
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
-    if isinstance(overrides, list):
-        overrides = dict(parse_override(o) for o in overrides)
     source = str(path)
+    if isinstance(overrides, list):
+        overrides = dict(_cli_override(o, source) for o in overrides)
     if overrides:
-        raw = apply_overrides(raw, overrides, f"{source} (with overrides {overrides})")
         source = f"{source} (with overrides {overrides})"
-    return validate(raw, source)
+        raw = apply_overrides(raw, overrides, source)
+    params = validate(raw, source)
+    # The results of a profile go to runs/<profile>/: a copied file that kept another profile's name
+    # would silently share (and overwrite) that profile's results and stamps.
+    if params["profile"] != path.stem:
+        raise ParamsError(f"{path}: profile '{params['profile']}' does not match the file name; results go to "
+                          f"runs/<profile>/, so set `profile: {path.stem}` (or name the file "
+                          f"{params['profile']}{path.suffix})")
+    return params
 
 
 def params_digest(params: dict, sections: list[str] | None = None) -> str:

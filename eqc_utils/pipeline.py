@@ -2,22 +2,35 @@
 papermill execution. Depends on no ML code (a notebook imports that, the runner never does).
 
 A stage's stamp hashes (1) the params sections it reads, (2) its notebook's source without outputs,
-(3) the stamps of the stages it consumes. A stage is skipped when its stamp matches the one saved by
-its last successful run and all its declared outputs exist.
+(3) the sources of the eqc_utils library, (4) the stamps of the stages it consumes. A stage is skipped
+when its stamp matches the one saved by its last successful run and all its declared outputs exist.
+The stamp is removed when a stage starts and written only when it succeeds, so an interrupted or
+failed run never leaves a valid-looking stamp over half-rewritten artifacts.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eqc_utils import io
-from eqc_utils.params import load_params, params_digest
-from eqc_utils.paths import NOTEBOOKS_DIR, REPO_ROOT, reports_root, stage_dir
+from eqc_utils.headline import describe_machine, write_headline
+from eqc_utils.params import load_params, params_digest, profile_path
+from eqc_utils.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT, reports_root, runs_root
 
 STAMP_FILE = ".stamp.json"
+LIBRARY_DIR = Path(__file__).resolve().parent   # the eqc_utils package
+
+# what each part of a stamp is called when a stage re-runs because it changed
+STAMP_PARTS = {"params": "params", "notebook": "notebook", "library": "library (eqc_utils)"}
+
+
+class SelectionError(ValueError):
+    """--stage / --only / --from name an unknown notebook or select none at all."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,10 @@ REGISTRY: tuple[StageSpec, ...] = (
               ("finetune/drafter/config.json", "finetune/tau.json", "tau_summary.json"),
               ("04_pack_target", "05_qad_data", "06_drafter_pretrain"),
               description="warm-start finetune against the QAD twin on QAD data, direct ablation, vLLM dflash check"),
+    StageSpec("08_drafter_quant", 3, ("seed", "device", "assets", "drafter", "pack", "drafter_quant"),
+              ("drafter_w4/config.json", "tau.json", "window_sweep.json"),
+              ("04_pack_target", "05_qad_data", "07_drafter_finetune"),
+              description="GPTQ W4A16 drafter (vs RTN) with a sliding window, packed for vLLM; tau, window sweep"),
 )
 
 
@@ -77,12 +94,41 @@ def notebook_digest(path: Path) -> str:
     return hashlib.sha256(json.dumps(cells).encode()).hexdigest()[:16]
 
 
+def library_digest(root: Path | None = None) -> str:
+    """Hash of every `*.py` under the eqc_utils package (relative path and content, in sorted order).
+
+    Every stage's stamp includes the whole library rather than the modules a stage imports: the import
+    graph of a notebook is not knowable statically (imports inside functions, `accelerate launch` and
+    `python -m eqc_utils...` subprocesses, code reached through third-party callbacks), and a missed
+    module means a stale result silently reused, while a library edit that re-runs a stage needlessly
+    only costs time. Hashing the few dozen source files takes milliseconds.
+    """
+    root = LIBRARY_DIR if root is None else root
+    files = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*.py")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    digest = hashlib.sha256()
+    for rel, path in files:
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def stamp_path(profile: str, stage: str) -> Path:
+    # not stage_dir(): looking at a stamp (e.g. in --dry-run) must not create folders
+    return runs_root() / profile / stage / STAMP_FILE
+
+
+def remove_stamp(profile: str, stage: str) -> None:
+    """Invalidate a stage's cached result: called before its notebook (re)writes any artifact."""
+    stamp_path(profile, stage).unlink(missing_ok=True)
+
+
 def read_stamp(profile: str, stage: str) -> dict | None:
-    path = stage_dir(profile, stage) / STAMP_FILE
+    path = stamp_path(profile, stage)
     return io.read_json(path) if path.exists() else None
 
 
-def compute_stamp(spec: StageSpec, params: dict, profile: str) -> dict:
+def compute_stamp(spec: StageSpec, params: dict, profile: str, library: str | None = None) -> dict:
+    """The stamp of a stage's inputs as they are now; `library` is a library_digest() already taken."""
     upstream = {}
     for name in spec.upstream:
         saved = read_stamp(profile, name)
@@ -90,46 +136,72 @@ def compute_stamp(spec: StageSpec, params: dict, profile: str) -> dict:
     parts = {
         "params": params_digest(params, list(spec.sections)),
         "notebook": notebook_digest(spec.notebook),
+        "library": library or library_digest(),
         "upstream": upstream,
     }
     stamp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return {"stamp": stamp, **parts}
 
 
-def why_run(spec: StageSpec, params: dict, profile: str, force: bool) -> str | None:
+def why_run(spec: StageSpec, params: dict, profile: str, force: bool, library: str | None = None) -> str | None:
     """None when the stage can be skipped, else the reason it must run."""
     if force:
         return "--force"
     saved = read_stamp(profile, spec.name)
     if saved is None:
         return "never ran"
-    now = compute_stamp(spec, params, profile)
+    now = compute_stamp(spec, params, profile, library)
     if saved["stamp"] != now["stamp"]:
-        changed = [k for k in ("params", "notebook") if saved.get(k) != now[k]]
+        changed = [label for k, label in STAMP_PARTS.items() if saved.get(k) != now[k]]
         changed += [f"upstream {n}" for n, s in now["upstream"].items() if saved.get("upstream", {}).get(n) != s]
         return "changed: " + ", ".join(changed or ["stamp"])
-    missing = [o for o in spec.outputs if not (stage_dir(profile, spec.name) / o).exists()]
+    missing = [o for o in spec.outputs if not (runs_root() / profile / spec.name / o).exists()]
     if missing:
         return "missing outputs: " + ", ".join(missing)
     return None
 
 
+def _stage_number(text: str, option: str, known: dict[str, StageSpec]) -> str:
+    """'3', '03' or '03_qad_target' -> '03'; anything else (e.g. '012') is an error."""
+    text = str(text).strip()
+    if text.isdigit() and len(text) <= 2 and text.zfill(2) in known:
+        return text.zfill(2)
+    if text[:2] in known and known[text[:2]].name == text:
+        return text[:2]
+    listing = ", ".join(f"{n} ({s.name})" for n, s in sorted(known.items()))
+    raise SelectionError(f"{option} {text!r}: unknown stage; known: {listing}")
+
+
 def select(stages: list[StageSpec], *, paper_stage: int | None = None, only: list[str] | None = None,
            start: str | None = None) -> list[StageSpec]:
+    """The stages chosen by --stage, --only and --from (combined: all must hold). A choice that names an
+    unknown notebook, an --only notebook that another option excludes, or an empty selection is an error."""
     known = {s.number: s for s in stages}
-    for number in (only or []) + ([start] if start else []):
-        if number.zfill(2)[:2] not in known:
-            raise SystemExit(f"unknown notebook '{number}'; known: {', '.join(sorted(known))}")
+    wanted = [_stage_number(o, "--only", known) for o in only or []]
+    first = _stage_number(start, "--from", known) if start is not None else None
     chosen = stages
     if paper_stage is not None:
         chosen = [s for s in chosen if s.paper_stage == paper_stage]
         if not chosen:
-            raise SystemExit(f"--stage {paper_stage}: no notebooks of that paper stage exist yet")
-    if only:
-        wanted = {o.zfill(2)[:2] for o in only}
-        chosen = [s for s in chosen if s.number in wanted]
-    if start:
-        chosen = [s for s in chosen if s.number >= start.zfill(2)[:2]]
+            raise SelectionError(f"--stage {paper_stage}: no notebooks of that paper stage exist yet")
+        in_stage = ", ".join(s.number for s in chosen)
+        for number in wanted:
+            if number not in {s.number for s in chosen}:
+                raise SelectionError(f"--only {number} conflicts with --stage {paper_stage}: notebook {number} is "
+                                     f"not part of paper stage {paper_stage} (notebooks {in_stage})")
+        if first is not None and all(s.number < first for s in chosen):
+            raise SelectionError(f"--from {first} conflicts with --stage {paper_stage}: paper stage {paper_stage} "
+                                 f"ends before notebook {first} (notebooks {in_stage})")
+    if first is not None:
+        for number in wanted:
+            if number < first:
+                raise SelectionError(f"--only {number} conflicts with --from {first}: notebook {number} comes "
+                                     f"before {first}")
+        chosen = [s for s in chosen if s.number >= first]
+    if wanted:
+        chosen = [s for s in chosen if s.number in set(wanted)]
+    if not chosen:
+        raise SelectionError("no notebook selected")
     return chosen
 
 
@@ -143,22 +215,54 @@ class StageResult:
     metrics: dict = field(default_factory=dict)
 
 
+class KernelNoiseFilter(logging.Filter):
+    """Drops two messages the notebook kernel (ipykernel) logs to the terminal on every run, which say
+    nothing about the notebook: the warning that its local TCP sockets are not encrypted (papermill
+    starts kernels that way; the sockets are bound to localhost and messages are signed), and the
+    "KeyboardInterrupt caught in kernel" that jupyter_client's shutdown provokes by interrupting the
+    kernel before asking it to stop. Every other kernel message still gets through."""
+
+    NOISE = ("Kernel is running over TCP without encryption", "KeyboardInterrupt caught in kernel")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else str(record.msg)
+        return not message.startswith(self.NOISE)
+
+
+def kernel_config(folder: Path) -> Path:
+    """An IPython config file for the notebook kernel that attaches KernelNoiseFilter to its console log
+    (the kernel is a separate process whose log goes straight to this terminal)."""
+    path = folder / "eqc_kernel_config.json"
+    config = {"IPKernelApp": {"logging_config": {
+        "filters": {"eqc_kernel_noise": {"()": f"{KernelNoiseFilter.__module__}.{KernelNoiseFilter.__name__}"}},
+        "handlers": {"console": {"filters": ["eqc_kernel_noise"]}},
+    }}}
+    path.write_text(json.dumps(config))
+    return path
+
+
 def execute(spec: StageSpec, profile_arg: str, overrides: list[str], params: dict,
-            log=print) -> StageResult:
-    """Run one notebook with papermill (kernel python3, cwd = repo root), render its reports."""
+            log=print, library: str | None = None) -> StageResult:
+    """Run one notebook with papermill (kernel python3, cwd = repo root), render its reports.
+
+    The stamp is taken of the inputs as they are when the notebook starts, the old one is removed
+    before the notebook writes anything, and the new one is written only when the notebook succeeds."""
     import papermill as pm
     from eqc_utils import reports
 
     profile = params["profile"]
+    stamp = compute_stamp(spec, params, profile, library)
+    remove_stamp(profile, spec.name)
     out_nb = reports_root() / profile / f"{spec.name}.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     error = ""
     try:
-        pm.execute_notebook(
-            str(spec.notebook), str(out_nb), kernel_name="python3", cwd=str(REPO_ROOT),
-            parameters={"profile": profile_arg, "overrides": overrides}, progress_bar=False,
-            log_output=False)
+        with tempfile.TemporaryDirectory(prefix="eqc-kernel-") as tmp:
+            pm.execute_notebook(
+                str(spec.notebook), str(out_nb), kernel_name="python3", cwd=str(REPO_ROOT),
+                parameters={"profile": profile_arg, "overrides": overrides}, progress_bar=False,
+                log_output=False, extra_arguments=[f"--IPKernelApp.extra_config_file={kernel_config(Path(tmp))}"])
     except pm.PapermillExecutionError as err:
         error = f"{spec.notebook.name}: cell {err.exec_count} failed: {err.ename}: {err.evalue}"
     except Exception as err:  # kernel died, notebook unreadable, ...
@@ -171,24 +275,35 @@ def execute(spec: StageSpec, profile_arg: str, overrides: list[str], params: dic
             log(f"[{spec.name}] warning: HTML report not rendered: {type(err).__name__}: {err}")
     if error:
         return StageResult(spec.name, "failed", seconds, error=error)
-    stamp = compute_stamp(spec, params, profile)
-    io.write_json(stage_dir(profile, spec.name) / STAMP_FILE, {**stamp, "seconds": round(seconds, 1),
-                                                              "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    io.write_json(stamp_path(profile, spec.name), {**stamp, "seconds": round(seconds, 1),
+                                                   "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                   "machine": describe_machine()})
     return StageResult(spec.name, "ran", seconds)
+
+
+def _notebook_profile_arg(profile_arg: str) -> str:
+    """What the notebooks get as `profile`: a profile name as given, a YAML file as an absolute path
+    (the notebooks run with the repository root as their working folder)."""
+    path = profile_path(profile_arg)
+    return profile_arg if path == PARAMS_DIR / f"{profile_arg}.yaml" else str(path.resolve())
 
 
 def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, *, paper_stage=None,
                  only=None, start=None, force=False, dry_run=False, log=print) -> list[StageResult]:
+    """Run the selected stages in order, skipping those whose stamp is current. Raises ParamsError
+    (bad profile or override) or SelectionError (bad --stage/--only/--from) before any notebook runs."""
     from eqc_utils import reports
 
     overrides = list(overrides or [])
     params = load_params(profile_arg, overrides)  # fail fast on a bad profile, before any notebook
     profile = params["profile"]
+    notebook_profile = _notebook_profile_arg(profile_arg)
     stages = select(registered(), paper_stage=paper_stage, only=only, start=start)
+    library = library_digest()  # once per run: every stage is stamped with the library it started with
     results: list[StageResult] = []
     will_run: set[str] = set()
     for spec in stages:
-        reason = why_run(spec, params, profile, force)
+        reason = why_run(spec, params, profile, force, library)
         if reason is None and will_run & set(spec.upstream):
             reason = "upstream " + ", ".join(sorted(will_run & set(spec.upstream))) + " runs first"
         if reason is not None:
@@ -201,7 +316,7 @@ def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, 
             results.append(StageResult(spec.name, "skipped", reason="up to date"))
             continue
         log(f"[{spec.name}] running ({reason}) ...")
-        result = execute(spec, profile_arg, overrides, params, log)
+        result = execute(spec, notebook_profile, overrides, params, log, library)
         results.append(result)
         if result.status == "failed":
             log(f"[{spec.name}] FAILED after {result.seconds:.1f}s: {result.error}")
@@ -209,5 +324,6 @@ def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, 
         log(f"[{spec.name}] ran in {result.seconds:.1f}s")
     if not dry_run:
         index = reports.write_index(profile, results)
-        log(f"report: {index}")
+        headline = write_headline(profile, [spec.name for spec in registered()], stamp_file=STAMP_FILE)
+        log(f"report: {index}\nheadline numbers: {headline}")
     return results

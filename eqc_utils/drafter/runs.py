@@ -47,6 +47,11 @@ def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
                                           return_dict=False) for r in rows]
 
 
+def user_text(row: dict) -> str:
+    """The last user turn of a row's prompt (for reading; prompts are sent as token ids)."""
+    return next((m["content"] for m in reversed(prompt_messages(row)) if m["role"] == "user"), "")
+
+
 def stop_ids(tokenizer, target_config) -> set[int]:
     ids = {tokenizer.eos_token_id, getattr(target_config, "eos_token_id", None)}
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -98,13 +103,17 @@ def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, dev
 def vllm_agreement(served_target: Path, result: RunResult, P: dict, tokenizer, log_dir: Path | None = None,
                    device: str = "auto") -> dict:
     """vLLM (target `served_target` + the run's final drafter) vs the reference decoder (the run's
-    target, same drafter) on the first `vllm_prompts` held-out prompts with the same token budget."""
+    target, same drafter) on the first `vllm_prompts` held-out prompts with the same token budget.
+    Speculative outputs must equal plain vLLM decoding up to near-ties (`passed`, `tally`, `summary`:
+    see `drafter.serve_check.vllm_dflash_check`); adds `reference_tau` and `relative_gap`."""
     from eqc_utils.drafter.serve_check import vllm_dflash_check
 
-    prompts = prompt_ids(tokenizer, result.heldout)[:P["vllm_prompts"]]
+    rows = result.heldout[:P["vllm_prompts"]]
+    prompts = prompt_ids(tokenizer, rows)
     block = json_block_size(result.final)
     check = vllm_dflash_check(served_target, result.final, prompts, P["eval_max_new_tokens"], block,
-                              P["vllm_args"], log_dir=log_dir, device=device)
+                              P["vllm_args"], near_tie_margin=P["near_tie_margin"], log_dir=log_dir, device=device,
+                              labels=[user_text(r)[:300] for r in rows])
     target = load_target(result.target_dir, resolve_device(device), P["precision"])
     with torch.no_grad():
         reference = measure_drafter(result.final, target, prompts, stop_ids(tokenizer, target.config), P)

@@ -2,26 +2,24 @@
 with the acceptance the reference decoder measures?
 
 Two servers in turn, through the project's launcher (killed by PID on exit): the target alone and
-the target + drafter. Same token-id prompts, greedy. vLLM's mean acceptance length comes from its
-Prometheus counters, 1 + accepted / drafts, read before and after the prompts (the server is idle
-otherwise), as in the reference's MAL protocol (METHOD.md §5.3).
+the target + drafter. Same token-id prompts, greedy. Outputs are compared by token ids with plain
+decoding as the reference (`eqc_utils.compare`): verification of a whole block and single-token steps
+round differently, so a divergence where plain decoding was nearly tied (top-1 minus top-2 log-prob
+below `near_tie_margin` nats at the first differing token) is accepted as numerics; any other is a
+mismatch. vLLM's mean acceptance length comes from its Prometheus counters, 1 + accepted / drafts,
+read before and after the prompts (the server is idle otherwise), as in the reference's MAL protocol
+(METHOD.md §5.3).
 """
 from __future__ import annotations
 
-import json
 import re
-import time
 import urllib.request
 from pathlib import Path
 
+from eqc_utils.compare import compare_runs, complete_greedy
+
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
-
-
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.loads(response.read())
 
 
 def spec_counters(base_url: str) -> dict[str, float]:
@@ -39,9 +37,10 @@ def spec_counters(base_url: str) -> dict[str, float]:
 
 def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vllm_args: dict,
                  drafter_dir: Path | None = None, num_speculative_tokens: int | None = None,
-                 log_dir: Path | None = None, device: str = "auto") -> dict:
-    """Greedy completions (text) of token-id prompts, sent one at a time, with each request's seconds and
-    completion tokens; with a drafter also vLLM's mean acceptance length."""
+                 log_dir: Path | None = None, device: str = "auto", margins: bool = False) -> dict:
+    """Greedy completions of token-id prompts, sent one at a time: `runs` (compare.GreedyRun: ids,
+    text, with `margins` the top-2 log-prob margins), `texts`, each request's `seconds` and
+    `completion_tokens`; with a drafter also vLLM's `mean_acceptance_length` and the counter deltas."""
     from eqc_utils.serving.launcher import VLLMServers
 
     args = dict(vllm_args)
@@ -52,15 +51,10 @@ def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vll
                      device=device) as servers:
         base = servers.base_urls[0]
         before = spec_counters(base) if drafter_dir is not None else None
-        texts, seconds, tokens = [], [], []
-        for ids in prompts:      # one request at a time: per-request latency, as the paper's latency protocol
-            body = {"model": "target", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "top_k": 1}
-            started = time.perf_counter()
-            reply = _post(base + "/completions", body)
-            seconds.append(time.perf_counter() - started)
-            texts.append(reply["choices"][0]["text"])
-            tokens.append(reply.get("usage", {}).get("completion_tokens"))
-        result = {"texts": texts, "seconds": seconds, "completion_tokens": tokens}
+        # one request at a time: per-request latency, as the paper's latency protocol
+        runs = [complete_greedy(base, ids, max_tokens, margins=margins) for ids in prompts]
+        result = {"runs": runs, "texts": [r.text for r in runs], "seconds": [r.seconds for r in runs],
+                  "completion_tokens": [len(r.ids) for r in runs]}
         if before is not None:
             after = spec_counters(base)
             delta = {k.split(":")[1]: after[k] - before[k] for k in SPEC_COUNTERS}
@@ -72,11 +66,15 @@ def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vll
 
 
 def vllm_dflash_check(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_tokens: int,
-                      block_size: int, vllm_args: dict, log_dir: Path | None = None, device: str = "auto") -> dict:
-    """Plain vs speculative greedy outputs on vLLM, and vLLM's mean acceptance length."""
-    plain = serve_greedy(target_dir, prompts, max_tokens, vllm_args, log_dir=log_dir, device=device)
+                      block_size: int, vllm_args: dict, near_tie_margin: float = 0.05, log_dir: Path | None = None,
+                      device: str = "auto", labels: list[str] | None = None) -> dict:
+    """Plain vs speculative greedy outputs on vLLM (plain is the reference), and vLLM's mean acceptance
+    length. Returns `compare.compare_runs`'s summary (`passed`, `tally`, `summary`, counts, per-prompt
+    `examples` with `plain` and `speculative` texts; `labels` name the prompts there) plus `vllm_tau`
+    and `counters`."""
+    plain = serve_greedy(target_dir, prompts, max_tokens, vllm_args, log_dir=log_dir, device=device, margins=True)
     spec = serve_greedy(target_dir, prompts, max_tokens, vllm_args, drafter_dir, block_size - 1, log_dir, device)
-    same = [a == b for a, b in zip(plain["texts"], spec["texts"])]
-    return {"prompts": len(prompts), "identical": sum(same), "all_identical": all(same),
-            "vllm_tau": spec["mean_acceptance_length"], "counters": spec["counters"],
-            "examples": [{"plain": a, "speculative": b} for a, b in zip(plain["texts"], spec["texts"])]}
+    result = compare_runs(prompts, plain["runs"], spec["runs"], near_tie_margin, names=("plain", "speculative"),
+                          labels=labels)
+    result.update(vllm_tau=spec["mean_acceptance_length"], counters=spec["counters"])
+    return result
