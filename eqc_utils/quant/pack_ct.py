@@ -6,6 +6,10 @@ expression, never re-derived scales), `M.weight_scale` [out, in/group] = amax / 
 dtype, `M.weight_shape` int64 [out, in]; no zero point (symmetric). Every other parameter passes
 through in the model dtype, and every Linear left in high precision is named in `ignore`.
 
+`read_ct_pack` reads such packs back (ours, or another symmetric INT4 pack such as cyankiwi's) and refuses,
+naming the file and module, a pack it would misread: asymmetric (a non-zero `weight_zero_point`),
+group-reordered (`weight_g_idx`), or declared other than 4-bit symmetric int in its config.
+
 The dense twin holds the same tensors except each quantised weight is `codes x stored scale` (what
 vLLM reconstructs), as a plain checkpoint transformers loads: the drafter is trained against it.
 """
@@ -107,28 +111,89 @@ def write_ct_pack(model: nn.Module, ct_dir: Path, sidecars_from: Path, pack: dic
             "ct_dir": str(ct_dir), "dense_dir": str(dense_dir) if dense_dir else None}
 
 
+SUPPORTED_PACK = ("a symmetric INT4 pack-quantized checkpoint: per module weight_packed, weight_scale and "
+                  "weight_shape, weight = codes x scale, no zero point and no activation reordering (g_idx)")
+PACK_LEAVES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def _check_pack_config(ct_dir: Path) -> None:
+    """Refuse a pack whose config declares weights this reader would misread (asymmetric, not 4-bit)."""
+    path = Path(ct_dir) / "config.json"
+    if not path.exists():
+        return
+    block = json.loads(path.read_text()).get("quantization_config") or {}
+    for group_name, group in (block.get("config_groups") or {}).items():
+        weights = (group or {}).get("weights") or {}
+        declared = {key: weights[key] for key in ("num_bits", "type", "symmetric") if key in weights}
+        if declared.get("num_bits", NUM_BITS) != NUM_BITS or declared.get("type", "int") != "int" \
+                or declared.get("symmetric", True) is not True:
+            raise PackError(f"{path}: quantization_config group {group_name} declares weights {declared}; "
+                            f"supported is {SUPPORTED_PACK}")
+
+
+def _zero_point_is_zero(zero_point: torch.Tensor, out_features: int, n_groups: int) -> bool:
+    """True if a stored zero point is zero everywhere (a symmetric pack that kept its zero points)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    if zero_point.dtype == torch.int32 and tuple(zero_point.shape) == (-(-out_features * NUM_BITS // 32), n_groups):
+        # compressed-tensors packs zero points 8 to an int32 along the output dimension, offset by 2^(bits-1)
+        zero_point = unpack_from_int32(zero_point, NUM_BITS, torch.Size((out_features, n_groups)), packed_dim=0)
+    elif zero_point.numel() not in (out_features * n_groups, 1):
+        return False
+    return not bool(zero_point.ne(0).any())
+
+
 def read_ct_pack(ct_dir: Path) -> dict[str, dict]:
-    """{module: {"codes": int8 [out, in], "scale": [out, in/group]}} from a pack's safetensors files."""
+    """{module: {"codes": int8 [out, in], "scale": [out, in/group]}} from a pack's safetensors files.
+
+    Only symmetric packs are read (weight = codes x scale). A pack with a non-zero `weight_zero_point`
+    (asymmetric: weight = (codes - zero point) x scale) or with a reordering `weight_g_idx` is refused with
+    a PackError naming the file and the module, instead of being read as if it were symmetric.
+    """
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     files = sorted(Path(ct_dir).glob("*.safetensors"))
     if not files:
         raise PackError(f"{ct_dir}: no *.safetensors files; is this a compressed-tensors checkpoint folder?")
+    _check_pack_config(Path(ct_dir))
     raw: dict[str, dict] = {}
+    where: dict[tuple[str, str], Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                for leaf in ("weight_packed", "weight_scale", "weight_shape"):
+                for leaf in PACK_LEAVES:
                     if key.endswith("." + leaf):
-                        raw.setdefault(key[: -len(leaf) - 1], {})[leaf] = f.get_tensor(key)
+                        module = key[: -len(leaf) - 1]
+                        raw.setdefault(module, {})[leaf] = f.get_tensor(key)
+                        where[module, leaf] = file
     modules = {}
     for name, parts in raw.items():
-        if len(parts) != 3:
-            raise PackError(f"{ct_dir}: module {name} has {sorted(parts)}, expected weight_packed, "
-                            f"weight_scale and weight_shape (a symmetric pack-quantized checkpoint)")
+        missing = [leaf for leaf in PACK_LEAVES[:3] if leaf not in parts]
+        if missing:
+            file = where[name, next(iter(parts))]
+            raise PackError(f"{file}: module {name} has {sorted(parts)} but lacks {missing}; supported is "
+                            f"{SUPPORTED_PACK}")
         shape = torch.Size(parts["weight_shape"].tolist())
+        scale = parts["weight_scale"]
+        if len(shape) != 2 or scale.ndim != 2 or scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
+            raise PackError(f"{where[name, 'weight_scale']}: module {name} has weight_shape {list(shape)} and "
+                            f"weight_scale {list(scale.shape)}: not a per-group scale of a 2-D weight")
+        if "weight_zero_point" in parts and not _zero_point_is_zero(parts["weight_zero_point"], shape[0],
+                                                                    scale.shape[1]):
+            raise PackError(f"{where[name, 'weight_zero_point']}: module {name} has a weight_zero_point that is not "
+                            f"all zeros (an asymmetric pack, weight = (codes - zero point) x scale), which this reader "
+                            f"would misread as symmetric; supported is {SUPPORTED_PACK}")
+        if "weight_g_idx" in parts:
+            group = shape[1] // scale.shape[1]
+            in_order = torch.arange(shape[1]) // group
+            if not torch.equal(parts["weight_g_idx"].long().reshape(-1), in_order):
+                raise PackError(f"{where[name, 'weight_g_idx']}: module {name} has a weight_g_idx that reorders "
+                                f"its groups (activation ordering); supported is {SUPPORTED_PACK}")
         codes = unpack_from_int32(parts["weight_packed"], NUM_BITS, shape, packed_dim=1)
-        modules[name] = {"codes": codes, "scale": parts["weight_scale"]}
+        modules[name] = {"codes": codes, "scale": scale}
+    if not modules:
+        raise PackError(f"{ct_dir}: no packed weights (*.weight_packed) in {[f.name for f in files]}; "
+                        f"supported is {SUPPORTED_PACK}")
     return modules
 
 
@@ -138,7 +203,7 @@ def read_passthrough(ct_dir: Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(ct_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if not key.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")):
+                if not key.endswith(tuple("." + leaf for leaf in PACK_LEAVES)):
                     out[key] = f.get_tensor(key)
     return out
 

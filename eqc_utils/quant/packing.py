@@ -3,11 +3,17 @@ fixed-length chunks (METHOD.md §2.5).
 
 Rows are split into train/validation at the source-row level before tokenising; each conversation
 is rendered with the tokenizer's chat template (to a string, then tokenised without special
-tokens), followed by one separator (the EOS token); the stream is cut into chunks of exactly
-`max_seq_len` and the last partial chunk is right-padded. As in the reference there is no
-per-document attention mask. Every chunk comes with per-token loss weights: 0 on the right
-padding (marked by position, so a pad id equal to the separator cannot mask separators), and 0 on
-system/user tokens too when `mask_prompt` is on.
+tokens: the prompt with its generation prompt, then the rest, as at inference), followed by one
+separator (the EOS token); the stream is cut into chunks of exactly `max_seq_len` and the last
+partial chunk is right-padded. As in the reference there is no per-document attention mask.
+
+Every chunk comes with per-token loss weights. The KL at position i compares the two models'
+predictions of token i+1 (logits are not shifted, see `kl.py`), so a weight is about the *next*
+token. Without `mask_prompt` (the reference) every position of the stream has weight 1 and the right
+padding 0 (marked by position, so a pad id equal to the separator cannot mask separators). With
+`mask_prompt`, position i has weight 1 iff token i+1 of the stream is a response token: a token of
+the final assistant turn after the generation prompt, or the separator that ends it. Positions
+whose next token is a system/user/generation-prompt token, or padding, have weight 0.
 """
 from __future__ import annotations
 
@@ -35,12 +41,25 @@ def check_row(row: dict, where: str) -> list[dict]:
 
 
 def render_tokens(conv: list[dict], tokenizer) -> tuple[list[int], int]:
-    """Token ids of a whole conversation and where the assistant answer starts."""
+    """Token ids of a whole conversation and where the assistant answer starts.
+
+    The prompt (every message but the last, with the generation prompt) and the answer are tokenised
+    separately, so the answer starts exactly where generation would, even when a token could span
+    the boundary. A template that renders the prompt differently inside the full conversation is an
+    error: the answer could not be located.
+    """
     text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
     prompt = tokenizer.apply_chat_template(conv[:-1], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompt_len = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if text.startswith(prompt) else 0
-    return ids, prompt_len
+    if not text.startswith(prompt):
+        at = next((i for i, (a, b) in enumerate(zip(text, prompt)) if a != b), min(len(text), len(prompt)))
+        raise TeacherDataError(
+            f"the chat template renders the prompt (with its generation prompt) differently inside the full "
+            f"conversation (first difference at character {at}: prompt {prompt[at:at + 40]!r} vs conversation "
+            f"{text[at:at + 40]!r}), so the assistant answer cannot be located; use a template "
+            f"whose generation prompt is a prefix of the rendered conversation")
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(text[len(prompt):], add_special_tokens=False)["input_ids"]
+    return prompt_ids + answer_ids, len(prompt_ids)
 
 
 def split_rows(rows: list, val_ratio: float, seed: int) -> tuple[list, list]:
@@ -52,13 +71,22 @@ def split_rows(rows: list, val_ratio: float, seed: int) -> tuple[list, list]:
 
 def pack_documents(docs: list[tuple[list[int], int]], max_seq_len: int, sep_id: int, pad_id: int,
                    mask_prompt: bool) -> dict:
-    """Concatenate documents (+ separator) and cut into [N, max_seq_len] ids and loss weights."""
+    """Concatenate documents (+ separator) and cut into [N, max_seq_len] ids and loss weights.
+
+    `docs` are (token ids, prompt length) pairs. With `mask_prompt`, weight i is 1 iff token i+1 of the
+    whole stream (across chunk boundaries) is a response token or a separator; see the module docstring.
+    """
     ids: list[int] = []
-    weights: list[float] = []
+    is_response: list[bool] = []
     for tokens, prompt_len in docs:
+        if not 0 <= prompt_len <= len(tokens):
+            raise TeacherDataError(f"prompt length {prompt_len} is outside a document of {len(tokens)} tokens")
         ids += tokens + [sep_id]
-        keep_from = prompt_len if mask_prompt else 0
-        weights += [0.0] * keep_from + [1.0] * (len(tokens) - keep_from) + [1.0]
+        is_response += [False] * prompt_len + [True] * (len(tokens) - prompt_len) + [True]
+    if mask_prompt:
+        weights = [1.0 if nxt else 0.0 for nxt in is_response[1:]] + ([0.0] if ids else [])
+    else:
+        weights = [1.0] * len(ids)
     n_chunks = -(-len(ids) // max_seq_len) if ids else 0
     pad = n_chunks * max_seq_len - len(ids)
     ids += [pad_id] * pad
@@ -67,17 +95,25 @@ def pack_documents(docs: list[tuple[list[int], int]], max_seq_len: int, sep_id: 
             "weights": torch.tensor(weights, dtype=torch.float32).reshape(n_chunks, max_seq_len)}
 
 
+def _render(where: str, conv: list[dict], tokenizer) -> tuple[list[int], int]:
+    try:
+        return render_tokens(conv, tokenizer)
+    except TeacherDataError as error:
+        raise TeacherDataError(f"{where}: {error}") from error
+
+
 def build_packs(rows: list[dict], tokenizer, max_seq_len: int, val_ratio: float, seed: int,
                 mask_prompt: bool, source: str = "teacher data") -> dict:
     """{"train": {input_ids, weights}, "val": {...}, "meta": {...}} from teacher rows."""
-    convs = [check_row(row, f"{source} row {i + 1} (id {row.get('id')})") for i, row in enumerate(rows)]
+    wheres = [f"{source} row {i + 1} (id {row.get('id')})" for i, row in enumerate(rows)]
+    convs = [(where, check_row(row, where)) for where, row in zip(wheres, rows)]
     train_rows, val_rows = split_rows(convs, val_ratio, seed)
     sep_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sep_id
     packs, meta = {}, {"max_seq_len": max_seq_len, "val_ratio": val_ratio, "shuffle_seed": seed,
                        "sep_id": sep_id, "pad_id": pad_id, "mask_prompt": mask_prompt, "n_source_rows": len(rows)}
     for split, split_rows_ in (("train", train_rows), ("val", val_rows)):
-        docs = [render_tokens(conv, tokenizer) for conv in split_rows_]
+        docs = [_render(where, conv, tokenizer) for where, conv in split_rows_]
         random.Random(seed).shuffle(docs)
         packs[split] = pack_documents(docs, max_seq_len, sep_id, pad_id, mask_prompt)
         meta[split] = {"rows": len(docs), "chunks": int(packs[split]["input_ids"].shape[0]),
