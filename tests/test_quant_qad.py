@@ -1,6 +1,8 @@
 """QAD end to end on a micro Llama: KL falls on a fixed batch, resume continues the same trajectory,
-the pack round-trips bit-exact with the right ignore list, missing checkpoints are clear errors."""
+changed settings move exactly the stale artifacts aside, the grid pin survives `prepare`, the pack
+round-trips bit-exact with the right ignore list, missing checkpoints are clear errors."""
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -19,10 +21,14 @@ def teacher(tmp_path_factory):
     return assets.micro_llama(tmp_path_factory.mktemp("qad") / "teacher")
 
 
-def _prepared(root: Path, teacher: Path, params: dict, rows: list[dict]) -> Path:
+def _prepared(root: Path, teacher: Path, params: dict, rows: list[dict], log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    qad.prepare_qad(params, root, rows, teacher, AutoTokenizer.from_pretrained(teacher))
+    qad.prepare_qad(params, root, rows, teacher, AutoTokenizer.from_pretrained(teacher), log=log)
     return root
+
+
+def _stale(root: Path, name: str) -> list[Path]:
+    return sorted(root.glob(f"{name}.stale-*"))
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +115,112 @@ def test_vocab_mismatch_between_teacher_and_init_is_a_clear_error(teacher, tmp_p
         check_same_vocab(small.get_output_embeddings(), big.get_output_embeddings())
 
 
-def test_changed_inputs_discard_earlier_artifacts(teacher, tmp_path):
+def test_changed_inputs_move_exactly_the_stale_artifacts_aside(teacher, tmp_path):
     params = micro_params(max_steps=2, save_every=2)
-    root = _prepared(tmp_path / "stage", teacher, params, teacher_rows(6))
+    rows = teacher_rows(6)
+    root = _prepared(tmp_path / "stage", teacher, params, rows)
     qad.train_qad(params, root, teacher)
     assert qad.checkpoint_steps(root / "ckpts") == [2]
+    data_id, init_id = (root / "data").stat().st_ino, (root / "ptq_ct").stat().st_ino
     # same inputs: everything is kept (an interrupted stage resumes)
-    _prepared(root, teacher, params, teacher_rows(6))
-    assert qad.checkpoint_steps(root / "ckpts") == [2]
-    # another learning rate: the checkpoints were made with other settings and must not be resumed
-    changed = micro_params(max_steps=2, save_every=2, lr=1e-5)
-    _prepared(root, teacher, changed, teacher_rows(6))
+    logs = []
+    _prepared(root, teacher, params, rows, log=logs.append)
+    assert qad.checkpoint_steps(root / "ckpts") == [2] and logs == []
+    # a stage folder of an earlier version (one digest over everything) with the same inputs is adopted
+    (root / qad.INPUTS_FILE).unlink()
+    (root / qad.LEGACY_MARKER).write_text(qad._legacy_digest(params, qad._rows_digest(rows), teacher) + "\n")
+    _prepared(root, teacher, params, rows, log=logs.append)
+    assert qad.checkpoint_steps(root / "ckpts") == [2] and logs == [] and not (root / qad.LEGACY_MARKER).exists()
+    # another learning rate: the checkpoints (not the data, not the AWQ init) are moved aside, the key named
+    _prepared(root, teacher, micro_params(max_steps=2, save_every=2, lr=1e-5), rows, log=logs.append)
     assert not (root / "ckpts").exists() and (root / "data" / "meta.json").exists()
+    [old] = _stale(root, "ckpts")
+    assert qad.checkpoint_steps(old) == [2] and _stale(root, "qad_student") and _stale(root, "train_log.jsonl")
+    assert (root / "data").stat().st_ino == data_id and (root / "ptq_ct").stat().st_ino == init_id
+    assert len(logs) == 1 and "qad.lr: 0.001 -> 1e-05" in logs[0] and "ckpts.stale-" in logs[0], logs
+    # another chunk length: the data and the AWQ init made from it go aside too, and are rebuilt
+    logs.clear()
+    _prepared(root, teacher, micro_params(max_steps=2, save_every=2, lr=1e-5, max_seq_len=48), rows, log=logs.append)
+    assert len(_stale(root, "data")) == 1 and len(_stale(root, "ptq_ct")) == 1
+    assert (root / "data" / "meta.json").exists() and (root / "ptq_ct" / "config.json").exists()
+    assert len(logs) == 1 and "qad.max_seq_len: 64 -> 48" in logs[0], logs
+    # an earlier version's marker that does not match: moved aside, said so
+    logs.clear()
+    (root / qad.INPUTS_FILE).unlink()
+    (root / qad.LEGACY_MARKER).write_text("0" * 64 + "\n")
+    _prepared(root, teacher, micro_params(max_steps=2, save_every=2, lr=1e-5, max_seq_len=48), rows, log=logs.append)
+    assert len(_stale(root, "data")) == 2 and "settings not recorded" in logs[0], logs
+
+
+def test_logging_saving_launching_and_longer_runs_keep_everything(teacher, tmp_path, capsys):
+    """log_every, save_every, eval_every, keep_last_ckpts, launcher, num_processes, resume and max_steps never
+    discard data, init or checkpoints; a longer run resumes from the last checkpoint on the new schedule."""
+    rows = teacher_rows(6)
+    root = _prepared(tmp_path / "stage", teacher, micro_params(max_steps=2, save_every=2), rows)
+    qad.train_qad(micro_params(max_steps=2, save_every=2), root, teacher)
+    ids = {name: (root / name).stat().st_ino for name in ("data", "ptq_ct", "ckpts/step-2")}
+    neutral = micro_params(max_steps=4, save_every=1, log_every=2, eval_every=1, eval_chunks=1, keep_last_ckpts=3,
+                           launcher="accelerate", num_processes=2, resume=False)
+    logs = []
+    _prepared(root, teacher, neutral, rows, log=logs.append)
+    assert logs == [] and not list(root.glob("*.stale-*"))
+    assert {name: (root / name).stat().st_ino for name in ids} == ids
+    capsys.readouterr()
+    summary = qad.train_qad(micro_params(max_steps=4, save_every=2), root, teacher)
+    out = capsys.readouterr().out
+    assert "resuming from step 2" in out and "qad.max_steps changed from 2 to 4" in out, out
+    assert (root / "ckpts" / "step-2").stat().st_ino == ids["ckpts/step-2"]
+    assert qad.checkpoint_steps(root / "ckpts") == [2, 4]
+    train_log = qad.read_logs(root)[0]
+    assert [r["step"] for r in train_log] == [1, 2, 3, 4]
+    # no warmup: after step 3 the cosine over 4 steps gives lr * (1 + cos(3 pi / 4)) / 2 (over 2 steps: lr / 2)
+    assert train_log[2]["lr"] == pytest.approx(1e-3 * (1 + math.cos(3 * math.pi / 4)) / 2)
+    assert summary["schedule"] == [{"from_step": 0, "max_steps": 2}, {"from_step": 2, "max_steps": 4}]
+    # a shorter run resumes from the newest checkpoint it can use; the later one is moved aside, not resumed
+    qad.train_qad(micro_params(max_steps=3, save_every=2), root, teacher)
+    assert qad.checkpoint_steps(root / "ckpts") == [2, 3]
+    [later] = _stale(root, "ckpts")
+    assert qad.checkpoint_steps(later) == [4]
+
+
+def test_a_grid_moved_by_prepare_stops_the_run_before_any_step(fixed_batch_run, teacher, tmp_path, monkeypatch):
+    """DeepSpeed's bf16 engine casts every floating-point buffer; simulated here by rounding the _amax
+    buffers through bf16 right after accelerate's prepare."""
+    import accelerate
+    params, root, _ = fixed_batch_run
+    stage = tmp_path / "stage"
+    for name in ("data", "ptq_ct"):
+        shutil.copytree(root / name, stage / name)
+    prepare = accelerate.Accelerator.prepare
+
+    def bf16_prepare(self, *objects, **kwargs):
+        prepared = prepare(self, *objects, **kwargs)
+        for module in grid.quantized_modules(self.unwrap_model(prepared[0])).values():
+            quantizer = module.weight_quantizer
+            quantizer._amax = quantizer._amax.to(torch.bfloat16).to(torch.float32)
+        return prepared
+
+    monkeypatch.setattr(accelerate.Accelerator, "prepare", bf16_prepare)
+    with pytest.raises(qad.QADError, match=r"grid moved by accelerator\.prepare.* of 14 quantised modules "
+                                           r"\(model\.layers\.") as err:
+        qad.train_qad(params, stage, teacher)
+    assert "DeepSpeed" in str(err.value)
+    assert not (stage / "train_log.jsonl").exists() and not (stage / "ckpts").exists(), "no step may be taken"
+
+
+def test_the_pin_check_passes_a_pinned_grid_and_names_moved_modules(fixed_batch_run):
+    params, root, _ = fixed_batch_run
+    lm = qad.load_student_export(qad.find_checkpoint(root, None), params["quant"])
+    pinned = grid.grid_amax(lm)
+    qad.check_grid_pinned(lm, pinned, "here")          # the normal path
+    name, module = next(iter(grid.quantized_modules(lm).items()))
+    module.weight_quantizer._amax = module.weight_quantizer._amax.to(torch.bfloat16)
+    with pytest.raises(qad.QADError, match=rf"moved here: .* in 1 of 14 quantised modules \({name}; _amax dtype "
+                                           r"now bfloat16\)"):
+        qad.check_grid_pinned(lm, pinned, "here")
+
+
+def test_the_settings_layers_cover_every_qad_key():
+    from eqc_utils.params import SCHEMA
+    assert qad.NEUTRAL_KEYS <= set(SCHEMA["qad"]) and set(qad.DATA_KEYS) <= set(SCHEMA["qad"])
+    assert not qad.NEUTRAL_KEYS & set(qad.DATA_KEYS) and qad.HORIZON_KEY in SCHEMA["qad"]

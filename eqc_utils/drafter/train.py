@@ -12,12 +12,19 @@ stale); anchors are drawn; the drafter fills every block in one pass under the a
 the loss is read out through the target's frozen LM head at scored positions only. `accelerate`
 provides devices, bf16 autocast and gradient accumulation; launched with `accelerate launch` the
 same loop runs data-parallel (each rank takes its own share of every epoch's batches).
+
+Resume: every checkpoint records the settings its trajectory depends on (`trajectory_settings`). A run
+with the same ones continues from the newest checkpoint it can use; logging, saving, evaluation and
+serving keys (NEUTRAL_KEYS) never invalidate checkpoints; `epochs`/`max_steps` only set the schedule's
+length (see `_plan_resume`). Checkpoints that cannot be continued are moved aside
+(`checkpoints.stale-<YYYYmmdd-HHMMSS>`), never deleted, and the changed settings are logged.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import shutil
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +46,14 @@ STATE_FILE = "training_state.pt"
 HISTORY_FILE = "history.json"
 FINAL_DIR = "drafter"
 CHECKPOINTS_DIR = "checkpoints"
+
+# `drafter` keys that never make a checkpoint invalid: logging, saving, evaluation and serving, and how the
+# same math is executed (precision, attention kernel). Every other key (one added to the schema later too)
+# is part of the trajectory, except the schedule's length (HORIZON_KEYS).
+NEUTRAL_KEYS = frozenset({"save_every", "log_every", "resume", "run_direct", "eval_max_new_tokens",
+                          "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args", "near_tie_margin",
+                          "precision", "attention"})
+HORIZON_KEYS = ("epochs", "max_steps")
 
 
 @dataclass
@@ -104,15 +119,32 @@ def _checkpoints(out_dir: Path) -> list[Path]:
     return sorted((out_dir / CHECKPOINTS_DIR).glob("step_*"))
 
 
-def _run_digest(run: TrainRun, P: dict, num_examples: int) -> str:
+def trajectory_settings(run: TrainRun, P: dict, rows: list[dict], seed: int, num_examples: int) -> dict:
+    """What a checkpoint's weights and optimiser state depend on, as flat named settings."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True).encode())
+    return {"target": str(run.target_dir), "init_from": str(run.init_from), "seed": seed,
+            "training_rows": digest.hexdigest()[:16], "examples": num_examples,
+            **{f"drafter.{k}": v for k, v in P.items() if k not in NEUTRAL_KEYS and k not in HORIZON_KEYS}}
+
+
+def _settings_digest(settings: dict) -> str:
+    return params_digest(settings)
+
+
+def _legacy_digest(run: TrainRun, P: dict, num_examples: int) -> str:
+    """The digest earlier versions stored in each checkpoint (over every drafter key)."""
     return params_digest({"P": P, "target": str(run.target_dir), "init": str(run.init_from),
                           "examples": num_examples})
 
 
-def _save_checkpoint(run: TrainRun, drafter, optimizer, scheduler, counters: dict, generator, digest: str) -> Path:
+def _save_checkpoint(run: TrainRun, drafter, optimizer, scheduler, counters: dict, generator, trajectory: dict,
+                     horizons: list[dict]) -> Path:
     path = run.out_dir / CHECKPOINTS_DIR / f"step_{counters['step']:06d}"
     save_drafter(unwrap(drafter), path)
-    torch.save({"counters": counters, "digest": digest, "history": run.history,
+    torch.save({"counters": counters, "digest": _settings_digest(trajectory), "settings": trajectory,
+                "horizons": horizons, "history": run.history,
                 "weights": {k: v.detach().cpu() for k, v in unwrap(drafter).state_dict().items()},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "generator": generator.get_state()}, path / STATE_FILE)
@@ -120,22 +152,72 @@ def _save_checkpoint(run: TrainRun, drafter, optimizer, scheduler, counters: dic
     return path
 
 
-def _try_resume(run: TrainRun, drafter, optimizer, scheduler, generator, digest: str, log) -> dict | None:
-    for path in reversed(_checkpoints(run.out_dir)):
-        if not (path / STATE_FILE).exists():
-            continue
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        if state["digest"] != digest:
-            log(f"[{run.name}] checkpoints in {run.out_dir} come from other settings: starting afresh")
-            return None
-        unwrap(drafter).load_state_dict(state["weights"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
-        run.history[:] = state["history"]
-        log(f"[{run.name}] resuming from {path.name}")
-        return state["counters"]
-    return None
+@dataclass
+class ResumePlan:
+    state: dict | None = None            # the checkpoint to continue from (None: start afresh)
+    path: Path | None = None
+    set_aside: str | None = None         # why the whole run folder's training state goes aside
+    later: list[Path] = field(default_factory=list)   # checkpoints after `path`: moved aside
+    old_horizon: int | None = None       # the schedule length the checkpoint was trained towards, if other
+
+
+def _plan_resume(run: TrainRun, P: dict, trajectory: dict, legacy_digest: str, total_steps: int) -> ResumePlan:
+    """Which checkpoint to continue from, and what to move aside (reads only: every process plans).
+
+    The warmup-cosine schedule spans `total_steps` (drafter.epochs / max_steps). Changing it keeps the
+    checkpoints: the run continues from the newest one at or before `total_steps`, and from there the
+    learning rate follows the new schedule (the steps before followed the old one; each checkpoint records
+    the horizons in `horizons`). drafter.resume=false gives a run with one schedule."""
+    folder = run.out_dir / CHECKPOINTS_DIR
+    complete = [(step, path) for step, path in checkpoint_steps(run.out_dir) if (path / STATE_FILE).exists()]
+    if not complete:
+        return ResumePlan(set_aside="no complete checkpoint to continue from" if folder.exists() else None)
+    if not P["resume"]:
+        return ResumePlan(set_aside="drafter.resume is false")
+    newest = torch.load(complete[-1][1] / STATE_FILE, map_location="cpu", weights_only=False)
+    if "settings" in newest:
+        if newest["digest"] != _settings_digest(trajectory):
+            changes = io.describe_changes(newest["settings"], trajectory)
+            return ResumePlan(set_aside=f"its checkpoints were made with other settings ({changes})")
+    elif newest["digest"] != legacy_digest:
+        return ResumePlan(set_aside="its checkpoints were made with other settings (not recorded by the "
+                                    "version that made them)")
+    usable = [(step, path) for step, path in complete if step <= total_steps]
+    if not usable:
+        return ResumePlan(set_aside=f"every checkpoint is past this run's {total_steps} steps")
+    step, path = usable[-1]
+    state = newest if path == complete[-1][1] else torch.load(path / STATE_FILE, map_location="cpu",
+                                                              weights_only=False)
+    horizons = state.get("horizons") or [{"from_step": 0, "total_steps": total_steps}]
+    old = horizons[-1]["total_steps"]
+    return ResumePlan(state=state, path=path, later=[p for s, p in checkpoint_steps(run.out_dir) if s > step],
+                      old_horizon=old if old != total_steps else None)
+
+
+def _set_aside(run: TrainRun, plan: ResumePlan, log) -> None:
+    """Move what the plan gives up (never delete it)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if plan.set_aside:
+        moved = [m.name for name in (CHECKPOINTS_DIR, FINAL_DIR, HISTORY_FILE)
+                 if (m := io.move_aside(run.out_dir / name, stamp)) is not None]
+        if moved:
+            log(f"[{run.name}] {run.out_dir}: {plan.set_aside}; moved aside {', '.join(moved)} "
+                "(delete them once no longer needed); starting afresh")
+    elif plan.later:
+        dest = io.stale_name(run.out_dir / CHECKPOINTS_DIR, stamp)
+        dest.mkdir()
+        for path in plan.later:
+            os.replace(path, dest / path.name)
+        log(f"[{run.name}] continuing from {plan.path.name}: the later checkpoints "
+            f"{', '.join(p.name for p in plan.later)} moved aside to {dest.name}")
+
+
+def _apply_schedule(scheduler) -> None:
+    """Set the optimiser's learning rate to the (new) schedule's value at the loaded step."""
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", seed: int = 0, log=print) -> Path:
@@ -148,8 +230,8 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
     torch.manual_seed(seed)
     target = load_target(run.target_dir, str(accelerator.device), P["precision"])
     drafter = new_drafter(P, target, tokenizer, run.init_from)
-    examples = build_examples(run.rows[:P["max_conversations"]] if P["max_conversations"] else run.rows,
-                              tokenizer, P["max_length"], 2 * drafter.block_size, where=run.name)
+    used_rows = run.rows[:P["max_conversations"]] if P["max_conversations"] else run.rows
+    examples = build_examples(used_rows, tokenizer, P["max_length"], 2 * drafter.block_size, where=run.name)
 
     rank, world = accelerator.process_index, accelerator.num_processes
     batches_per_epoch = len(epoch_batches(len(examples), P["batch_size"], seed, 0, rank, world))
@@ -165,13 +247,32 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=P["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, P["warmup_ratio"]))
     generator = torch.Generator().manual_seed(seed + rank)
-    digest = _run_digest(run, P, len(examples))
+    trajectory = trajectory_settings(run, P, used_rows, seed, len(examples))
+    plan = _plan_resume(run, P, trajectory, _legacy_digest(run, P, len(examples)), total_steps)
+    accelerator.wait_for_everyone()              # every process has planned before anything is moved
+    if rank == 0:
+        _set_aside(run, plan, log)
+    accelerator.wait_for_everyone()
     counters = {"step": 0, "epoch": 0, "batch": 0}
-    resumed = _try_resume(run, drafter, optimizer, scheduler, generator, digest, log) if P["resume"] else None
-    if resumed:
-        counters = resumed
-    elif (run.out_dir / CHECKPOINTS_DIR).exists():
-        shutil.rmtree(run.out_dir / CHECKPOINTS_DIR)
+    horizons = [{"from_step": 0, "total_steps": total_steps}]
+    if plan.state is not None:
+        state = plan.state
+        unwrap(drafter).load_state_dict(state["weights"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        run.history[:] = state["history"]
+        counters = state["counters"]
+        horizons = state.get("horizons") or horizons
+        log(f"[{run.name}] resuming from {plan.path.name}")
+        if plan.old_horizon is not None:
+            _apply_schedule(scheduler)
+            horizons = horizons + [{"from_step": counters["step"], "total_steps": total_steps}]
+            log(f"[{run.name}] the schedule length changed from {plan.old_horizon} to {total_steps} steps "
+                f"(drafter.epochs / max_steps): from step {counters['step']} on, the learning rate follows the "
+                f"new schedule ({scheduler.get_last_lr()[0]:.3g} now); the steps before followed the old one "
+                "(drafter.resume=false gives a run with one schedule)")
+    else:
         run.history.clear()
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     drafter.train()
@@ -213,7 +314,7 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
                 bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=f"{entry['accuracy']:.3f}")
                 window = {"loss": 0.0, "accuracy": 0.0, "n": 0}
             if (counters["step"] % P["save_every"] == 0 or counters["step"] == total_steps) and rank == 0:
-                _save_checkpoint(run, drafter, optimizer, scheduler, counters, generator, digest)
+                _save_checkpoint(run, drafter, optimizer, scheduler, counters, generator, trajectory, horizons)
             if counters["step"] >= total_steps:
                 break
         else:

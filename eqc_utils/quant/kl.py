@@ -2,8 +2,8 @@
 
 Both models see the same tokens, so position i of the student is compared with position i of the
 teacher (no label shift). The per-token value is sum_v p_t(v) (log p_t(v) - log p_s(v)) on
-logits / T (no T^2 factor); the loss is the weighted mean over tokens (weight 0 = padding, or
-prompt tokens when prompts are masked).
+logits / T (no T^2 factor); the loss is the weighted mean over tokens (weight 0 = padding, or,
+when prompts are masked, positions whose next token is a prompt token: position i predicts token i+1).
 
 Full-vocabulary logits are the memory problem (16384 x 248K fp32 = 16 GiB per model), so
 `chunked_forward_kl` starts from the final hidden states and applies each model's head one chunk of

@@ -7,9 +7,10 @@
     run_qad       what the notebook calls: train_qad in-process, or as an `accelerate launch`
                   subprocess whose log is streamed
 
-Files under the stage folder: data/{train,val}.pt, ptq_ct/ (the PTQ baseline), gate.json,
-train_log.jsonl, eval_log.jsonl, ckpts/step-N/{state/,student/,meta.json}, qad_student/ (final
-latent weights + grid_amax.safetensors), summary.json.
+Files under the stage folder: inputs.json (the settings each artifact was made with), data/{train,val}.pt,
+ptq_ct/ (the PTQ baseline), gate.json, train_log.jsonl, eval_log.jsonl, ckpts/step-N/{state/,student/,
+meta.json}, qad_student/ (final latent weights + grid_amax.safetensors), summary.json. Artifacts that no
+longer match the settings are never deleted: they are renamed `<name>.stale-<YYYYmmdd-HHMMSS>` (see LAYERS).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from eqc_utils.devices import resolve_device
-from eqc_utils.io import atomic_path, read_json, write_json
+from eqc_utils.io import atomic_path, describe_changes, move_aside, read_json, stale_name, write_json
 from eqc_utils.quant import grid
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
@@ -44,14 +46,40 @@ class QADError(RuntimeError):
 
 # ---------------------------------------------------------------- preparation (one process)
 
-def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher_path: Path, tokenizer) -> dict:
-    """Pack the teacher data and make (or locate) the INT4 init pack. Idempotent for the same inputs; when the
-    teacher data or the quant/qad settings changed, earlier packs, init and checkpoints are discarded so that a
-    re-run never resumes from artifacts made with other inputs."""
-    qad, quant = params["qad"], params["quant"]
-    _discard_stale(stage_dir, {"rows": hashlib.sha256(json.dumps(teacher_rows, sort_keys=True).encode()).hexdigest(),
-                               "teacher": str(teacher_path), "quant": quant,
-                               "qad": {k: v for k, v in qad.items() if k != "resume"}})
+# Each expensive artifact depends on some settings only; a change moves aside (never deletes) that artifact
+# and everything built on it, and names the settings that changed:
+#   data        data/ (packed chunks): the teacher rows and path, assets.tokenizer and DATA_KEYS
+#   init        ptq_ct/ (the AWQ INT4 init): the data (AWQ calibrates on it) and the quant settings of the grid
+#   trajectory  ckpts/, qad_student/, logs, gate.json, summary.json: data, init, seed and every qad key that
+#               is neither a data key nor in NEUTRAL_KEYS (so a key added to the schema later counts here)
+# qad.max_steps is the cosine schedule's horizon: changing it keeps the checkpoints (see `train_qad`).
+LAYERS = ("data", "init", "trajectory")
+LAYER_ARTIFACTS = {"data": ("data",), "init": ("ptq_ct",),
+                   "trajectory": ("ckpts", "qad_student", "gate.json", "train_log.jsonl", "eval_log.jsonl",
+                                  "summary.json")}
+INPUTS_FILE = "inputs.json"
+LEGACY_MARKER = "inputs.digest"        # one digest over everything, written by earlier versions
+DATA_KEYS = ("max_rows", "max_seq_len", "val_ratio", "shuffle_seed", "mask_prompt")
+# Logging, evaluation, saving and launching; and settings that change how the same math is computed
+# (precision, activation checkpointing, KL chunking), whose checkpoints remain valid starting points.
+# DeepSpeed/non-DeepSpeed and the process count under DeepSpeed change the checkpoint *format*: a resume
+# across them fails with a clear error instead of discarding anything.
+NEUTRAL_KEYS = frozenset({"launcher", "num_processes", "deepspeed", "log_every", "save_every", "eval_every",
+                          "eval_chunks", "keep_last_ckpts", "resume", "gate_chunks", "gate_seq_len",
+                          "inject_kl_tolerance", "mixed_precision", "grad_checkpointing", "kl_chunk_tokens"})
+HORIZON_KEY = "max_steps"
+
+
+def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher_path: Path, tokenizer,
+                log=print) -> dict:
+    """Pack the teacher data and make (or locate) the INT4 init pack. Idempotent for the same inputs. When an
+    input changed, the artifacts that depend on it are moved aside (`<name>.stale-<time>`, see LAYERS) and the
+    changed settings are logged, so a re-run never resumes from artifacts made with other inputs."""
+    qad = params["qad"]
+    rows_digest = _rows_digest(teacher_rows)
+    layers = input_layers(params, rows_digest, teacher_path)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    _move_stale(stage_dir, layers, _legacy_digest(params, rows_digest, teacher_path), log)
     data_dir = stage_dir / "data"
     if not (data_dir / "meta.json").exists():
         rows = teacher_rows[: qad["max_rows"]] if qad["max_rows"] else teacher_rows
@@ -66,14 +94,70 @@ def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher
     return {"data": meta, "init_pack": str(init_pack_dir(params, stage_dir, teacher_path))}
 
 
-def _discard_stale(stage_dir: Path, inputs: dict) -> None:
-    marker = stage_dir / "inputs.digest"
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-    if marker.exists() and marker.read_text().strip() != digest:
-        for stale in ("data", "ptq_ct", "ckpts", "qad_student"):
-            shutil.rmtree(stage_dir / stale, ignore_errors=True)
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(digest + "\n")
+def _digest(settings) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _rows_digest(rows: list[dict]) -> str:
+    return _digest(rows)
+
+
+def input_layers(params: dict, rows_digest: str, teacher_path: Path) -> dict:
+    """{layer: {"digest", "settings"}} for LAYERS; `settings` are flat dotted keys (so changes can be named)."""
+    qad, quant = params["qad"], params["quant"]
+    # packing_format: bumped when packing.py changes how rows become chunks or weights, so that data packed by
+    # an older version is moved aside rather than reused (2: prompt and answer tokenised apart, next-token weights)
+    data = {"packing_format": 2, "teacher_rows": rows_digest[:16], "teacher": str(teacher_path),
+            "assets.tokenizer": params["assets"]["tokenizer"], **{f"qad.{k}": qad[k] for k in DATA_KEYS}}
+    data_digest = _digest(data)
+    if quant["init"] == "ct_pack":   # a published pack: neither the data nor AWQ settings matter
+        init = {f"quant.{k}": quant[k] for k in ("init", "init_pack", "group_size", "skip_patterns")}
+    else:
+        init = {"data": data_digest[:16], **{f"quant.{k}": v for k, v in quant.items() if k != "min_quantized_modules"},
+                "pack.scale_dtype": params["pack"]["scale_dtype"]}
+    init_digest = _digest(init)
+    return {"data": {"digest": data_digest, "settings": data},
+            "init": {"digest": init_digest, "settings": init},
+            "trajectory": trajectory_layer(params, data_digest, init_digest)}
+
+
+def trajectory_layer(params: dict, data_digest: str | None, init_digest: str | None) -> dict:
+    qad = params["qad"]
+    settings = {"data": (data_digest or "")[:16], "init": (init_digest or "")[:16], "seed": params["seed"],
+                **{f"qad.{k}": v for k, v in qad.items()
+                   if k not in DATA_KEYS and k not in NEUTRAL_KEYS and k != HORIZON_KEY}}
+    return {"digest": _digest(settings), "settings": settings}
+
+
+def _legacy_digest(params: dict, rows_digest: str, teacher_path: Path) -> str:
+    """The single digest earlier versions stored in `inputs.digest`."""
+    return _digest({"rows": rows_digest, "teacher": str(teacher_path), "quant": params["quant"],
+                    "qad": {k: v for k, v in params["qad"].items() if k != "resume"}})
+
+
+def _move_stale(stage_dir: Path, layers: dict, legacy_digest: str, log) -> None:
+    """Compare with the settings saved by the previous run; move aside the artifacts of the first changed
+    layer and of all layers after it; save the current settings."""
+    saved_path, legacy = stage_dir / INPUTS_FILE, stage_dir / LEGACY_MARKER
+    saved = read_json(saved_path) if saved_path.exists() else None
+    if saved is None and legacy.exists():
+        # an older version's marker: same digest = same inputs (adopt); else changed, but not which keys
+        saved = layers if legacy.read_text().strip() == legacy_digest else {}
+    if saved is not None:
+        for i, layer in enumerate(LAYERS):
+            before = saved.get(layer)
+            if before is not None and before.get("digest") == layers[layer]["digest"]:
+                continue
+            changes = describe_changes(before.get("settings") if before else None, layers[layer]["settings"])
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            moved = [str(m.name) for name in LAYERS[i:] for artifact in LAYER_ARTIFACTS[name]
+                     if (m := move_aside(stage_dir / artifact, stamp)) is not None]
+            if moved:
+                log(f"QAD {layer} settings changed ({changes}): moved aside {', '.join(moved)} in {stage_dir} "
+                    f"(delete them once they are no longer needed)")
+            break
+    write_json(saved_path, layers)
+    legacy.unlink(missing_ok=True)
 
 
 def init_pack_dir(params: dict, stage_dir: Path, teacher_path: Path) -> Path:
@@ -183,7 +267,8 @@ def checkpoint_steps(ckpt_root: Path) -> list[int]:
     """Steps of complete checkpoints (meta.json is written last)."""
     if not ckpt_root.exists():
         return []
-    return sorted(int(p.name.split("-")[1]) for p in ckpt_root.glob("step-*") if (p / "meta.json").exists())
+    return sorted(int(m.group(1)) for p in ckpt_root.glob("step-*")
+                  if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "meta.json").exists())
 
 
 def export_student(lm: nn.Module, out: Path, sidecars_from: Path) -> None:
@@ -227,11 +312,103 @@ def find_checkpoint(stage_dir: Path, step: int | None) -> Path:
     return folder
 
 
+def check_grid_pinned(lm: nn.Module, reference: dict[str, torch.Tensor], when: str) -> None:
+    """QADError unless every quantiser's `_amax` is still the fp32 tensor of `reference` (`grid_amax` taken
+    when the grid was pinned), naming the modules whose grid moved."""
+    modules = grid.quantized_modules(lm)
+    moved, dtypes = [], set()
+    for name, module in modules.items():
+        amax = module.weight_quantizer._amax
+        if name not in reference or amax.dtype != torch.float32 or \
+                not torch.equal(amax.detach().cpu(), reference[name]):
+            moved.append(name)
+            dtypes.add(str(amax.dtype).replace("torch.", ""))
+    moved += sorted(set(reference) - set(modules))
+    if moved:
+        shown = ", ".join(moved[:6]) + (f" and {len(moved) - 6} more" if len(moved) > 6 else "")
+        raise QADError(f"the pinned INT4 grid moved {when}: _amax is no longer the fp32 7 x scale of the init in "
+                       f"{len(moved)} of {len(modules)} quantised modules ({shown}; _amax dtype now "
+                       f"{'/'.join(sorted(dtypes)) or 'absent'}). A cast of the model's buffers (e.g. DeepSpeed's "
+                       f"bf16 mode, which casts every floating-point buffer) rounds the grid; keep _amax in fp32")
+
+
+def _current_trajectory(params: dict, stage_dir: Path) -> dict:
+    """The trajectory layer of the current settings, with the data/init digests prepare_qad recorded."""
+    inputs = read_json(stage_dir / INPUTS_FILE) if (stage_dir / INPUTS_FILE).exists() else {}
+    return trajectory_layer(params, inputs.get("data", {}).get("digest"), inputs.get("init", {}).get("digest"))
+
+
+def _resume_point(ckpt_root: Path, qad: dict, trajectory: dict, deepspeed: bool, world: int):
+    """(step, meta.json) of the checkpoint to resume from, or (None, None) for a fresh start: the newest
+    checkpoint at or before qad.max_steps. Checkpoints of other settings were moved aside by prepare_qad;
+    meeting one here (train_qad run without it) or one in another checkpoint format is an error."""
+    usable = [s for s in checkpoint_steps(ckpt_root) if s <= qad["max_steps"]]
+    if not qad["resume"] or not usable:
+        return None, None
+    step = usable[-1]
+    folder = ckpt_root / f"step-{step}"
+    meta = read_json(folder / "meta.json")
+    saved = meta.get("trajectory")   # absent in checkpoints of earlier versions
+    if saved is not None and saved["digest"] != trajectory["digest"]:
+        changes = describe_changes(saved["settings"], trajectory["settings"])
+        raise QADError(f"{folder} was made with other settings ({changes}); run prepare_qad first (it moves "
+                       "such checkpoints aside) or set qad.resume=false")
+    saved_ds = meta.get("deepspeed", deepspeed)
+    if saved_ds != deepspeed or (deepspeed and meta.get("processes", world) != world):
+        raise QADError(f"{folder} was saved {'with' if saved_ds else 'without'} DeepSpeed on "
+                       f"{meta.get('processes')} process(es); this run is {'with' if deepspeed else 'without'} "
+                       f"DeepSpeed on {world}: launch it as before (qad.launcher, qad.deepspeed, qad.num_processes), "
+                       "or set qad.resume=false to start afresh (the checkpoints are then moved aside)")
+    return step, meta
+
+
+def _horizons(meta: dict | None, resume_from: int | None, max_steps: int) -> tuple[list[dict], int | None]:
+    """The schedule horizons of the run so far ([{from_step, max_steps}, ...]) and the previous max_steps
+    when this run changes it (else None).
+
+    The cosine schedule spans qad.max_steps, so extending (or shortening) a run changes the schedule. The
+    checkpoints stay valid starting points, so the run resumes from the newest one at or before max_steps and
+    the learning rate follows the new schedule from there; the steps before followed the old one. Each
+    checkpoint's meta.json and summary.json record these horizons; qad.resume=false gives one schedule."""
+    fresh = [{"from_step": 0, "max_steps": max_steps}]
+    if meta is None:
+        return fresh, None
+    before = meta.get("horizons") or fresh        # checkpoints of earlier versions: not recorded
+    if before[-1]["max_steps"] == max_steps:
+        return before, None
+    return before + [{"from_step": resume_from, "max_steps": max_steps}], before[-1]["max_steps"]
+
+
+def _apply_schedule(scheduler) -> None:
+    """Set the optimiser's learning rate to the (new) schedule's value at the loaded step."""
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _move_later_checkpoints(stage_dir: Path, after: int, why: str) -> None:
+    """Checkpoints after the step this run starts from belong to a run it does not continue: move them
+    (with copies of the logs) into `ckpts.stale-<time>/`."""
+    ckpt_root = stage_dir / "ckpts"
+    later = [s for s in checkpoint_steps(ckpt_root) if s > after]
+    if not later:
+        return
+    dest = stale_name(ckpt_root)
+    dest.mkdir()
+    for step in later:
+        os.replace(ckpt_root / f"step-{step}", dest / f"step-{step}")
+    for name in ("train_log.jsonl", "eval_log.jsonl", "summary.json", "gate.json"):
+        if (stage_dir / name).exists():
+            shutil.copy2(stage_dir / name, dest / name)
+    print(f"QAD: {why}: checkpoints {later} moved aside to {dest} (delete it once no longer needed)", flush=True)
+
+
 # ---------------------------------------------------------------- the training function
 
 def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int | None = None) -> dict:
     """The QAD run. Every process of an `accelerate launch` runs this same function."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DistributedType
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -259,7 +436,17 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
     check_same_vocab(lm.get_output_embeddings(), teacher.get_output_embeddings())
     lm.to(device)
     ckpt_root = stage_dir / "ckpts"
-    resume_from = checkpoint_steps(ckpt_root)[-1] if qad["resume"] and checkpoint_steps(ckpt_root) else None
+    ds = accelerator.distributed_type == DistributedType.DEEPSPEED
+    trajectory = _current_trajectory(params, stage_dir)
+    resume_from, meta = _resume_point(ckpt_root, qad, trajectory, ds, world)
+    horizons, old_max_steps = _horizons(meta, resume_from, qad["max_steps"])
+    accelerator.wait_for_everyone()   # every process has chosen before anything is moved
+    if main:
+        _move_later_checkpoints(stage_dir, resume_from or 0,
+                                "qad.resume is false" if not qad["resume"] else
+                                f"resuming from step {resume_from} (qad.max_steps = {qad['max_steps']})"
+                                if resume_from else f"no checkpoint at or before qad.max_steps = {qad['max_steps']}")
+    accelerator.wait_for_everyone()
 
     # -- start gate (fresh runs): the pinned student is the PTQ model
     if resume_from is None:
@@ -282,13 +469,27 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
     student, optimizer = accelerator.prepare(student, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     inner = accelerator.unwrap_model(student)
+    # DeepSpeed's bf16 mode (and any other cast of the whole module) also casts buffers: the grid must
+    # still be the fp32 7 x scale it was pinned to before a single step is taken
+    check_grid_pinned(inner.lm, init_amax, "by accelerator.prepare")
 
     start = 0
     if resume_from is not None:
         accelerator.load_state(str(ckpt_root / f"step-{resume_from}" / "state"))
         start = resume_from
+        if old_max_steps is not None:
+            _apply_schedule(scheduler)
+            if main:
+                print(f"QAD: qad.max_steps changed from {old_max_steps} to {qad['max_steps']}: from step "
+                      f"{resume_from} on, the learning rate follows the cosine schedule over {qad['max_steps']} "
+                      f"steps ({scheduler.get_last_lr()[0]:.3g} now); the steps before followed the old one "
+                      "(qad.resume=false gives a run with one schedule)", flush=True)
         if main:
+            print(f"QAD: resuming from step {resume_from}", flush=True)
             _truncate_logs(stage_dir, start)
+        if meta.get("eval_chunks", qad["eval_chunks"]) != qad["eval_chunks"] and main:
+            print(f"QAD: qad.eval_chunks changed from {meta['eval_chunks']} to {qad['eval_chunks']}: held-out "
+                  f"evaluations up to step {resume_from} used other chunks", flush=True)
 
     def evaluate(step: int) -> None:
         student.eval()
@@ -345,16 +546,17 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
         if done % qad["eval_every"] == 0 or done == qad["max_steps"]:
             evaluate(done)
         if done % qad["save_every"] == 0 or done == qad["max_steps"]:
-            _save_checkpoint(accelerator, inner.lm, ckpt_root, done, teacher_path, qad["keep_last_ckpts"])
+            _save_checkpoint(accelerator, inner.lm, ckpt_root, done, teacher_path, qad["keep_last_ckpts"],
+                             {"trajectory": trajectory, "horizons": horizons, "deepspeed": ds, "processes": world,
+                              "eval_chunks": qad["eval_chunks"]})
     accelerator.wait_for_everyone()
 
     # -- the grid never moved: same amax buffers as at the start
-    moved = [n for n, a in grid.grid_amax(inner.lm).items() if not torch.equal(a, init_amax[n])]
-    if moved:
-        raise QADError(f"the INT4 grid moved during training in {len(moved)} modules (e.g. {moved[0]})")
+    check_grid_pinned(inner.lm, init_amax, "during training")
     if last == qad["max_steps"] and main:
         export_student(inner.lm, stage_dir / "qad_student", teacher_path)
         summary = summarize(stage_dir)
+        summary["schedule"] = horizons
         write_json(stage_dir / "summary.json", summary)
         return summary
     return {"stopped_at": last}
@@ -378,7 +580,8 @@ def _micro_batch(train: dict, n_train: int, offset: int, size: int, seed: int):
     return train["input_ids"][rows], train["weights"][rows]
 
 
-def _save_checkpoint(accelerator, lm: nn.Module, ckpt_root: Path, step: int, sidecars_from: Path, keep_last: int):
+def _save_checkpoint(accelerator, lm: nn.Module, ckpt_root: Path, step: int, sidecars_from: Path, keep_last: int,
+                     info: dict):
     folder = ckpt_root / f"step-{step}"
     if accelerator.is_main_process and folder.exists():
         shutil.rmtree(folder)  # an unfinished earlier attempt at this step (no meta.json)
@@ -386,8 +589,8 @@ def _save_checkpoint(accelerator, lm: nn.Module, ckpt_root: Path, step: int, sid
     accelerator.save_state(str(folder / "state"))
     if accelerator.is_main_process:
         export_student(lm, folder / "student", sidecars_from)
-        write_json(folder / "meta.json", {"step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
-        steps = checkpoint_steps(ckpt_root)
+        write_json(folder / "meta.json", {"step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **info})
+        steps = [s for s in checkpoint_steps(ckpt_root) if s <= step]
         if keep_last > 0:
             for old in steps[:-keep_last]:
                 shutil.rmtree(ckpt_root / f"step-{old}", ignore_errors=True)
