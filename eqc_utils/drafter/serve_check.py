@@ -12,7 +12,6 @@ read before and after the prompts (the server is idle otherwise), as in the refe
 """
 from __future__ import annotations
 
-import re
 import urllib.request
 from pathlib import Path
 
@@ -24,15 +23,8 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draf
 
 def spec_counters(base_url: str) -> dict[str, float]:
     """Sums of vLLM's speculative-decoding counters over all label sets (0 when absent)."""
-    metrics_url = base_url.rsplit("/v1", 1)[0] + "/metrics"
-    with urllib.request.urlopen(metrics_url, timeout=60) as response:
-        text = response.read().decode()
-    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if match and match.group(1) in totals:
-            totals[match.group(1)] += float(match.group(3))
-    return totals
+    from eqc_utils.evaluation.acceptance import read_counters
+    return read_counters(base_url).as_dict()
 
 
 def serve_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, vllm_args: dict,

@@ -146,7 +146,10 @@ class VLLMServers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def start(self) -> "VLLMServers":
+    def start(self, wait: bool = True) -> "VLLMServers":
+        """Spawn the servers and, with `wait` (the default), block until each answers a completion.
+        `wait=False` returns right after spawning: the caller checks readiness itself (the serving
+        proxy does, asynchronously, so that it can answer health checks meanwhile)."""
         if self.procs:
             raise RuntimeError("VLLMServers.start(): already started")
         _LIVE.add(self)
@@ -157,7 +160,7 @@ class VLLMServers:
                 if i and on_gpu:
                     time.sleep(STAGGER_SECONDS)
                 self._spawn(i, gpu=i if on_gpu else None, cpus=None if on_gpu else cpu_groups[i])
-            for i in range(self.n):
+            for i in range(self.n if wait else 0):
                 self._wait_ready(i)
         except BaseException:
             self.stop()
