@@ -1,4 +1,4 @@
-"""The DFlash draft model (METHOD.md §3.1): a few Qwen3 decoder layers that fill a block of mask tokens
+"""The DFlash draft model (docs/method.md §3.1): a few Qwen3 decoder layers that fill a block of mask tokens
 in one pass, conditioned on hidden states of the frozen target.
 
 What makes it DFlash rather than a small LM:
@@ -11,6 +11,14 @@ What makes it DFlash rather than a small LM:
 The saved folder follows the z-lab DFlash layout (`architectures: ["DFlashDraftModel"]`,
 `model_type: "qwen3"`, `block_size`, `dflash_config.{mask_token_id,target_layer_ids}`), which vLLM's
 `method: "dflash"` speculative decoding loads next to the target.
+
+Sliding window (`DrafterConfig.sliding_window` = W, stage 08): the block sees only the last
+context positions (the rule is in `mask.py`). The model applies it itself, from positions, on every
+path: training (ANDed onto the anchor-strict mask), the reference decoder (which also drops cached
+context keys no later block can see, so a draft step costs O(W), not O(context)). The config records it
+the way vLLM's dflash model reads it: every layer "sliding_attention" with `sliding_window` = W,
+`dflash_config.use_swa` / `swa_window_size`, and `dflash_config.causal: false` (without it vLLM makes a
+sliding layer causal, and the block's slots would stop seeing the slots after them, unlike training).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from eqc_utils.drafter.mask import flex_attend, is_block_mask
+from eqc_utils.drafter.mask import check_window, flex_attend, is_block_mask, restrict_to_window
 from eqc_utils.io import atomic_path
 
 CONFIG_FILE = "config.json"
@@ -53,11 +61,17 @@ class DrafterConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # Serve-time sliding window (stage 08); training always uses full attention.
+    # Sliding window over the context (stage 08); None = full attention.
     sliding_window: int | None = None
+
+    def __post_init__(self):
+        check_window(self.sliding_window, self.block_size)
 
     def to_hf_dict(self) -> dict:
         layer_type = "sliding_attention" if self.sliding_window else "full_attention"
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.sliding_window:
+            dflash.update(use_swa=True, swa_window_size=self.sliding_window, causal=False)
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -81,7 +95,7 @@ class DrafterConfig:
             "layer_types": [layer_type] * self.num_layers,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
@@ -90,12 +104,23 @@ class DrafterConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        special = {"num_layers", "target_layer_ids", "mask_token_id", "rope_theta", "extra"}
+        special = {"num_layers", "target_layer_ids", "mask_token_id", "rope_theta", "sliding_window"}
         plain = {f.name for f in fields(cls)} - special
         rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(num_layers=d["num_hidden_layers"], target_layer_ids=list(d["dflash_config"]["target_layer_ids"]),
-                   mask_token_id=d["dflash_config"]["mask_token_id"], rope_theta=float(rope_theta),
-                   **{k: d[k] for k in plain if k in d})
+        dflash = d["dflash_config"]
+        return cls(num_layers=d["num_hidden_layers"], target_layer_ids=list(dflash["target_layer_ids"]),
+                   mask_token_id=dflash["mask_token_id"], rope_theta=float(rope_theta),
+                   sliding_window=_window_of(d), **{k: d[k] for k in plain if k in d})
+
+
+def _window_of(d: dict) -> int | None:
+    """The window a DFlash config asks for, read as vLLM reads it: a Qwen3 config may carry a
+    `sliding_window` value while `use_sliding_window` is off, which means no window."""
+    dflash = d.get("dflash_config") or {}
+    sliding = dflash.get("use_swa") or d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])
+    if not sliding:
+        return None
+    return dflash.get("swa_window_size") or d.get("sliding_window")
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -183,14 +208,23 @@ class Rope(nn.Module):
 
 @dataclass
 class DraftCache:
-    """Keys/values of the target context seen so far, per layer (already rotated). Block keys are
-    never cached: each step drafts a fresh block, while verified context only grows."""
+    """Keys/values of the target context seen so far, per layer (already rotated), and their positions.
+    Block keys are never cached: each step drafts a fresh block, while verified context only grows.
+    With a sliding window the keys no later block can see are dropped, so `length` (context positions
+    taken in, i.e. the next context position) can exceed the number of keys kept."""
     keys: list = field(default_factory=list)
     values: list = field(default_factory=list)
+    positions: torch.Tensor | None = None      # [B, kept]
+    length: int = 0
 
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+    def drop_before(self, first: torch.Tensor) -> None:
+        """Forget keys at positions < first[b] (kept where any row still needs them)."""
+        keep = (self.positions >= first[:, None]).any(0)
+        if bool(keep.all()):
+            return
+        self.positions = self.positions[:, keep]
+        self.keys = [k[:, :, keep] for k in self.keys]
+        self.values = [v[:, :, keep] for v in self.values]
 
 
 class DFlashAttention(nn.Module):
@@ -295,8 +329,18 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
         hidden = block_embeds.to(context.dtype)
         rope = self.rope(positions, hidden.dtype)
+        window = self.config.sliding_window
+        q_pos, ctx_pos = positions[:, -hidden.shape[1]:], positions[:, :context.shape[1]]
+        if window is not None:
+            kv_pos = positions if cache is None or cache.positions is None else torch.cat([cache.positions, positions], 1)
+            mask = restrict_to_window(mask, q_pos, kv_pos, window)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, context, rope, mask, cache, i)
+        if cache is not None:
+            cache.positions = ctx_pos if cache.positions is None else torch.cat([cache.positions, ctx_pos], 1)
+            cache.length += context.shape[1]
+            if window is not None:      # later blocks start further right: these keys are out of reach for good
+                cache.drop_before(q_pos.min(1).values - window + 1)
         return self.norm(hidden)
 
 
@@ -315,14 +359,21 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, extra_files: dict[str
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    """A drafter folder: plain BF16, or a compressed-tensors pack (stage 08), whose packed weights are
+    dequantised to codes x scale, the values vLLM computes with."""
     from safetensors.torch import load_file
     path = Path(path)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{path} is not a DFlash drafter folder (no {CONFIG_FILE}); "
                                 "point to a checkpoint written by eqc_utils.drafter.save_drafter")
-    cfg = DrafterConfig.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()))
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+    config = json.loads((path / CONFIG_FILE).read_text())
+    drafter = DFlashDrafter(DrafterConfig.from_hf_dict(config))
+    if "quantization_config" in config:
+        from eqc_utils.quant.gptq import dequantized_state_dict
+        state = dequantized_state_dict(path)
+    else:
+        state = load_file(str(path / WEIGHTS_FILE))
+    drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype)
 
 
