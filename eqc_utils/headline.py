@@ -41,6 +41,12 @@ def _version(package: str) -> str | None:
         return None
 
 
+def collect_metrics(profile: str, metrics_file: str = "metrics.json") -> dict[str, dict]:
+    """{stage folder: its metrics.json} for every stage of `profile` that has one, in folder order."""
+    root = runs_root() / profile
+    return {path.parent.name: io.read_json(path) for path in sorted(root.glob(f"*/{metrics_file}"))}
+
+
 def write_headline(profile: str, stage_names: list[str], machine: str | None = None,
                    stamp_file: str = ".stamp.json", metrics_file: str = "metrics.json"):
     """Collect the headline of every stage that has results; returns the file written."""

@@ -94,7 +94,11 @@ SCHEMA: dict = {
         "include_reasoning": bool,        # re-join server-split reasoning as <think>...</think>
         "keep_truncated": bool,           # keep rows that hit max_tokens
         "limit": Opt(int),                # answer only the first N prompts
-        "hf_batch_size": int,             # transformers backend: prompts per generate call
+        "n": int,                         # answers (samples) per prompt; rows <id>, <id>#s1, ...; > 1 needs temperature > 0
+        "hf_batch_size": int,             # transformers backend: sequences decoded together
+        # transformers backend: generate (dynamic cache), static (static cache + torch.compile on GPU) or
+        # continuous (transformers' continuous batching; docs/generation.md)
+        "hf_engine": OneOf("generate", "static", "continuous"),
     },
     # ---- stage 2: the INT4 grid of the target (eqc_utils.quant.grid, eqc_utils.quant.ptq)
     "quant": {
@@ -205,6 +209,36 @@ SCHEMA: dict = {
         "long_prompts": int,               # long-context prompts of the sweep (multi-turn histories of QAD conversations)
         "long_prompt_tokens": int,         # their length, at most (keep below vllm max-model-len - eval_max_new_tokens)
         "vllm_check": bool,                # 08 serves the W4 target + W4 drafter on vLLM (held-out + long prompts)
+    },
+    # ---- stage 4: the served stack, 09 (eqc_utils.evaluation.suite / gates / latency / acceptance)
+    "eval": {
+        "backend": OneOf("vllm", "reference"),   # vllm: served through the proxy; reference: no vLLM on the machine
+        "serve_target": str,               # serve config (configs/serve/<name>.yaml or a path): the QAD target alone
+        "serve_final": str,                # serve config of the shipped stack: W4 target + W4 DFlash drafter
+        "serve_overrides": ANY_DICT,       # dotted serve-config overrides for all three servers, e.g. vllm_args.max_num_seqs
+        "startup_timeout": float,          # seconds a server may take to load
+        "teacher_gates": bool,             # also serve the teacher (the target's config with the teacher's weights)
+        "teacher_dtype": str,              # vllm --dtype of the teacher
+        "gates": ListOf(OneOf("mmlu_pro", "ifeval", "gpqa_diamond")),   # [] = no quality gates
+        "gate_source": OneOf("local", "hub"),   # local: data packages (offline); hub: the paper's datasets
+        "gate_limit": ANY_DICT,            # questions per gate ({gate: n}); a gate not named: all of them
+        "mmlu_pro_file": Opt(str),         # a larger local MMLU-Pro JSONL; null: the shipped 140-question sample
+        "max_gen_toks": ANY_DICT,          # new tokens per answer ({gate: n}); a gate not named: lm-eval's / the paper's cap
+        "num_concurrent": int,             # requests in flight per gate
+        "gate_seed": int,                  # GPQA choice shuffle
+        "thresholds": OneOf("paper", "relative"),   # paper: 0.621 / 0.814 / 0.630; relative: to teacher and target
+        "teacher_ratio": float,            # relative: target >= ratio x teacher
+        "final_tolerance": float,          # relative: |final - target| <= tolerance
+        "stderr_z": float,                 # relative rules widened by z standard errors of the difference
+        "latency_prompt_tokens": ListOf(int),   # short / medium / long prompt lengths (paper 64 / 2048 / 8192)
+        "latency_max_tokens": ListOf(int),      # new tokens per bucket (paper 128 / 256 / 256)
+        "latency_runs": int,               # measured requests per bucket and server (paper 50)
+        "latency_warmup": int,             # warm-up requests per bucket (paper 5)
+        "acceptance_datasets": ListOf(OneOf("gsm8k", "humaneval", "longbench")),
+        "acceptance_prompts": int,         # measured prompts per dataset (paper 64)
+        "acceptance_max_tokens": int,      # new tokens per prompt (paper 256)
+        "acceptance_context_tokens": int,  # longbench context length (paper 8192)
+        "assert_gates": bool,              # stop the pipeline when a judged gate fails
     },
 }
 

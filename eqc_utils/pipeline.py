@@ -26,7 +26,7 @@ STAMP_FILE = ".stamp.json"
 LIBRARY_DIR = Path(__file__).resolve().parent   # the eqc_utils package
 
 # what each part of a stamp is called when a stage re-runs because it changed
-STAMP_PARTS = {"params": "params", "notebook": "notebook", "library": "library (eqc_utils)"}
+STAMP_PARTS = {"params": "params", "notebook": "notebook", "library": "library (eqc_utils)", "files": "files"}
 
 
 class SelectionError(ValueError):
@@ -41,6 +41,7 @@ class StageSpec:
     outputs: tuple            # paths (inside its folder) that must exist for the stage to count as done
     upstream: tuple = ()      # stages whose artifacts it consumes
     description: str = ""
+    files: tuple = ()         # repository files it reads besides params (globs from the repo root), e.g. serve configs
 
     @property
     def notebook(self) -> Path:
@@ -78,6 +79,11 @@ REGISTRY: tuple[StageSpec, ...] = (
               ("drafter_w4/config.json", "tau.json", "window_sweep.json"),
               ("04_pack_target", "05_qad_data", "07_drafter_finetune"),
               description="GPTQ W4A16 drafter (vs RTN) with a sliding window, packed for vLLM; tau, window sweep"),
+    StageSpec("09_eval", 4, ("seed", "assets", "eval"),
+              ("gates.json", "latency.json", "acceptance.json", "eval_summary.json"),
+              ("04_pack_target", "08_drafter_quant"),
+              description="served stack behind the proxy: quality gates, latency vs the target alone, acceptance",
+              files=("configs/serve/*.yaml",)),
 )
 
 
@@ -112,6 +118,14 @@ def library_digest(root: Path | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
+def files_digest(patterns: tuple) -> str:
+    """Hash of the repository files matching `patterns` (path and content, sorted)."""
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in patterns for p in REPO_ROOT.glob(pattern) if p.is_file()}):
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
 def stamp_path(profile: str, stage: str) -> Path:
     # not stage_dir(): looking at a stamp (e.g. in --dry-run) must not create folders
     return runs_root() / profile / stage / STAMP_FILE
@@ -139,6 +153,8 @@ def compute_stamp(spec: StageSpec, params: dict, profile: str, library: str | No
         "library": library or library_digest(),
         "upstream": upstream,
     }
+    if spec.files:
+        parts["files"] = files_digest(spec.files)
     stamp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return {"stamp": stamp, **parts}
 
@@ -152,7 +168,7 @@ def why_run(spec: StageSpec, params: dict, profile: str, force: bool, library: s
         return "never ran"
     now = compute_stamp(spec, params, profile, library)
     if saved["stamp"] != now["stamp"]:
-        changed = [label for k, label in STAMP_PARTS.items() if saved.get(k) != now[k]]
+        changed = [label for k, label in STAMP_PARTS.items() if saved.get(k) != now.get(k)]
         changed += [f"upstream {n}" for n, s in now["upstream"].items() if saved.get("upstream", {}).get(n) != s]
         return "changed: " + ", ".join(changed or ["stamp"])
     missing = [o for o in spec.outputs if not (runs_root() / profile / spec.name / o).exists()]

@@ -239,3 +239,20 @@ def test_every_gate_end_to_end_against_a_served_micro_model(served, tmp_path):
     assert results["gates"]["ifeval"]["n_instructions"] >= 3
     assert len(results["gates"]["mmlu_pro"]["per_category"]) == 3, "three questions from three categories"
     assert results["gates"]["gpqa_diamond"]["lm_eval_value"] == pytest.approx(results["gates"]["gpqa_diamond"]["value"])
+
+
+@pytest.mark.slow
+def test_gates_without_a_server_through_lm_evals_transformers_model(tmp_path):
+    """Machines without vLLM: the same tasks, scored by lm-eval's `hf` model on the local folder."""
+    model = micro_model(tmp_path)
+    out = tmp_path / "gates"
+    results = gates.run_gates(None, tasks=["mmlu_pro", "gpqa_diamond"], limit={"mmlu_pro": 2, "gpqa_diamond": 1},
+                              out_dir=out, max_gen_toks=8,
+                              hf={"pretrained": model, "device": "cpu", "dtype": "float32", "batch_size": 2})
+    assert results["model"] == "micro_llama" and results["base_url"] is None
+    assert [results["gates"][k]["n"] for k in ("mmlu_pro", "gpqa_diamond")] == [2, 1]
+    written = json.loads(Path(results["gates"]["mmlu_pro"]["lm_eval_results"]).read_text())
+    assert written["config"]["model"] == "hf" and written["config"]["model_args"]["pretrained"] == str(model)
+    samples = [json.loads(line) for path in (out / "lm_eval" / "gpqa_diamond").rglob("samples_*.jsonl")
+               for line in open(path)]
+    assert {s["doc_id"] for s in samples} == {0} and samples[0]["arguments"]["gen_args_0"]["arg_1"]["max_gen_toks"] == 8

@@ -265,7 +265,8 @@ def test_stage_numbers_and_names_select_their_stage():
     assert names(only=["1"]) == names(only=["01"]) == names(only=["01_prompts"]) == ["01_prompts"]
     assert names(paper_stage=2, start="04") == ["04_pack_target", "05_qad_data"]
     assert names(paper_stage=1, only=["02"]) == ["02_teacher_data"]
-    assert names(start="6") == ["06_drafter_pretrain", "07_drafter_finetune", "08_drafter_quant"]
+    assert names(start="6") == ["06_drafter_pretrain", "07_drafter_finetune", "08_drafter_quant", "09_eval"]
+    assert names(paper_stage=4) == ["09_eval"]
 
 
 def load_run_all():

@@ -278,6 +278,20 @@ def served_model(chat_url: str, model_name: str | None = None, timeout: float = 
     return model_name
 
 
+def outside_event_loop(fn, *args, **kwargs):
+    """Call `fn` where `asyncio.run` works. lm-eval's API models send concurrent requests through
+    `asyncio.run`, which refuses to start inside a running event loop, as in a Jupyter kernel; there
+    the call goes to a worker thread, which has no loop."""
+    import asyncio
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn(*args, **kwargs)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def _per_gate(value, key: str, default):
     if isinstance(value, Mapping):
         return value.get(key, default)
@@ -288,9 +302,11 @@ def run_gate(key: str, chat_url: str, model_name: str, out_dir: str | Path, *, s
              limit: int | float | None = None, mmlu_pro_file: str | Path | None = None,
              max_gen_toks: int | None = None, thinking: bool | None = None, num_concurrent: int = 8,
              timeout: float = 900.0, max_retries: int = 3, eos_string: str | None = "<|im_end|>",
-             seed: int = 0) -> dict:
-    """One gate against a running server. lm-eval's results and samples are written under
-    `out_dir/lm_eval/<gate>/` (replaced on every run); returns the gate's entry of `run_gates`."""
+             seed: int = 0, hf: Mapping | None = None) -> dict:
+    """One gate against a running server, or with `hf={"pretrained": folder, "device", "dtype",
+    "batch_size"}` on a local model through lm-eval's transformers model (machines without vLLM).
+    lm-eval's results and samples are written under `out_dir/lm_eval/<gate>/` (replaced on every
+    run); returns the gate's entry of `run_gates`."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
@@ -313,15 +329,27 @@ def run_gate(key: str, chat_url: str, model_name: str, out_dir: str | Path, *, s
     gate_dir = Path(out_dir) / "lm_eval" / key
     shutil.rmtree(gate_dir, ignore_errors=True)
     tracker = EvaluationTracker(output_path=str(gate_dir))
-    model_args = {"model": model_name, "base_url": chat_url, "num_concurrent": num_concurrent,
-                  "max_retries": max_retries, "timeout": int(timeout), "tokenizer_backend": None,
-                  "tokenized_requests": False, "eos_string": eos_string, "think_end_token": "</think>",
-                  "max_gen_toks": max_gen_toks}
-    results = lm_eval.simple_evaluate(
-        model="local-chat-completions", model_args=model_args, tasks=tasks, limit=limit,
+    if hf is None:
+        model = "local-chat-completions"
+        model_args = {"model": model_name, "base_url": chat_url, "num_concurrent": num_concurrent,
+                      "max_retries": max_retries, "timeout": int(timeout), "tokenizer_backend": None,
+                      "tokenized_requests": False, "eos_string": eos_string, "think_end_token": "</think>",
+                      "max_gen_toks": max_gen_toks}
+        gen_kwargs = {"max_gen_toks": max_gen_toks, "chat_template_kwargs": {"enable_thinking": thinking}}
+    else:
+        # the same chat template, thinking switch and think-block cut, applied by lm-eval itself
+        model = "hf"
+        model_args = {"pretrained": str(hf["pretrained"]), "dtype": hf.get("dtype", "auto"),
+                      "batch_size": hf.get("batch_size", 16), "think_end_token": "</think>",
+                      "enable_thinking": thinking}
+        if hf.get("device"):
+            model_args["device"] = hf["device"]
+        gen_kwargs = {"max_gen_toks": max_gen_toks}
+    results = outside_event_loop(
+        lm_eval.simple_evaluate,
+        model=model, model_args=model_args, tasks=tasks, limit=limit,
         apply_chat_template=True, fewshot_as_multiturn=True, log_samples=True, evaluation_tracker=tracker,
-        gen_kwargs={"max_gen_toks": max_gen_toks, "chat_template_kwargs": {"enable_thinking": thinking}},
-        task_manager=task_manager(), **SEEDS)
+        gen_kwargs=gen_kwargs, task_manager=task_manager(), **SEEDS)
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     for task_name in results["configs"]:
@@ -337,15 +365,18 @@ def run_gate(key: str, chat_url: str, model_name: str, out_dir: str | Path, *, s
     return entry
 
 
-def run_gates(base_url: str, model_name: str | None = None, tasks: Sequence[str] = tuple(GATES),
-              limit: int | float | None = None, out_dir: str | Path = ".", *, source: str = "local",
+def run_gates(base_url: str | None, model_name: str | None = None, tasks: Sequence[str] = tuple(GATES),
+              limit: int | float | Mapping[str, int] | None = None, out_dir: str | Path = ".", *,
+              source: str = "local",
               mmlu_pro_file: str | Path | None = None, max_gen_toks: int | Mapping[str, int] | None = None,
               thinking: bool | Mapping[str, bool] | None = None, num_concurrent: int = 8, timeout: float = 900.0,
               max_retries: int = 3, eos_string: str | None = "<|im_end|>", seed: int = 0,
-              thresholds: Mapping[str, float] | None = None) -> dict:
+              thresholds: Mapping[str, float] | None = None, hf: Mapping | None = None) -> dict:
     """Score `tasks` (gate keys) on the model served at `base_url`; write `out_dir/gates.json`.
+    Without a server (`base_url=None`), `hf={"pretrained": model folder, ...}` scores a local model
+    through lm-eval's transformers model instead (see `run_gate`).
 
-    `limit`: questions per gate (an int; a float below 1 is a fraction) — for `local` MMLU-Pro the
+    `limit`: questions per gate (an int, or {gate: int}; a float below 1 is a fraction) — for `local` MMLU-Pro the
     questions are spread over the categories; for `hub` MMLU-Pro lm-eval applies it per category.
     `max_gen_toks` / `thinking`: one value or {gate: value}; defaults per gate in `GATES`. prompt +
     `max_gen_toks` must fit the server's max_model_len. `thresholds`: judge against absolute values
@@ -360,15 +391,19 @@ def run_gates(base_url: str, model_name: str | None = None, tasks: Sequence[str]
         raise GateError(f"unknown gate(s) {unknown}; choose from {', '.join(GATES)}")
     if source not in SOURCES:
         raise GateError(f"source must be one of {SOURCES}, not '{source}'")
-    chat_url = chat_completions_url(base_url)
-    model_name = served_model(chat_url, model_name)
+    if hf is None:
+        chat_url = chat_completions_url(base_url)
+        model_name = served_model(chat_url, model_name)
+    else:
+        chat_url, model_name = None, model_name or Path(hf["pretrained"]).name
     results = {"model": model_name, "base_url": base_url, "source": source, "limit": limit, "gates": {}}
     for key in tasks:
         results["gates"][key] = run_gate(
-            key, chat_url, model_name, out_dir, source=source, limit=limit, mmlu_pro_file=mmlu_pro_file,
+            key, chat_url, model_name, out_dir, source=source, limit=_per_gate(limit, key, None),
+            mmlu_pro_file=mmlu_pro_file,
             max_gen_toks=_per_gate(max_gen_toks, key, None), thinking=_per_gate(thinking, key, None),
             num_concurrent=num_concurrent, timeout=timeout, max_retries=max_retries, eos_string=eos_string,
-            seed=seed)
+            seed=seed, hf=hf)
     if thresholds is not None:
         results = judge_gates(results, thresholds=thresholds)
     write_json(Path(out_dir) / "gates.json", results)
@@ -386,7 +421,7 @@ def gates_for_config(config: str | Path, out_dir: str | Path, *, overrides: Mapp
 # ---------------------------------------------------------------- judging
 
 def judge_gates(results: Mapping, reference: Mapping | None = None, *, thresholds: Mapping[str, float] | None = None,
-                ratio: float | None = None, tolerance: float | None = None) -> dict:
+                ratio: float | None = None, tolerance: float | None = None, stderr_z: float = 0.0) -> dict:
     """Pass/fail per gate, as a copy of `results` with `threshold`, `passed` and `rule` filled in, and
     top-level `all_passed` (False if any gate failed or could not run) and `judgement`. One rule:
 
@@ -396,6 +431,9 @@ def judge_gates(results: Mapping, reference: Mapping | None = None, *, threshold
       target: speculative decoding is lossless, so the scores should agree up to numerics).
 
     `reference` is another `run_gates` result, scored by the same harness on the same data and limit.
+    `stderr_z` > 0 widens a relative rule by that many standard errors of the difference
+    (√(se² + se_ref²)): on a few dozen questions one answer moves a score by several points, and only
+    a drop larger than that noise should fail.
     """
     if (thresholds is not None) == (reference is not None) or \
             (reference is not None and (ratio is None) == (tolerance is None)):
@@ -413,11 +451,15 @@ def judge_gates(results: Mapping, reference: Mapping | None = None, *, threshold
                 raise GateError(f"{key}: the reference was scored on {ref.get('n')} {ref.get('source')} questions, "
                                 f"this result on {entry.get('n')} {entry.get('source')} ones; use the same data "
                                 f"and limit for both")
-            elif ratio is not None:
-                entry.update(threshold=ratio * ref_value, rule=f">= {ratio:g} x reference {ref_value:.4f}")
             else:
-                entry.update(threshold=ref_value - tolerance, upper=ref_value + tolerance,
-                             rule=f"within {tolerance:g} of reference {ref_value:.4f}")
+                slack = stderr_z * math.hypot(entry.get("stderr") or 0.0, ref.get("stderr") or 0.0)
+                noise = f" - {stderr_z:g} se ({slack:.4f})" if slack else ""
+                if ratio is not None:
+                    entry.update(threshold=ratio * ref_value - slack,
+                                 rule=f">= {ratio:g} x reference {ref_value:.4f}{noise}")
+                else:
+                    entry.update(threshold=ref_value - tolerance - slack, upper=ref_value + tolerance + slack,
+                                 rule=f"within {tolerance:g}{noise.replace(' - ', ' + ')} of reference {ref_value:.4f}")
             entry["reference_value"] = ref_value
         elif key in thresholds:
             entry.update(threshold=float(thresholds[key]), rule=f">= {float(thresholds[key]):g}")
