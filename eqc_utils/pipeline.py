@@ -21,8 +21,8 @@ from eqc_utils import io
 from eqc_utils.headline import describe_machine, write_headline
 from eqc_utils.params import load_params, params_digest, profile_path
 from eqc_utils.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT, reports_root, runs_root
+from eqc_utils.stamps import STAMP_FILE, read_stamp, remove_stamp, stamp_path
 
-STAMP_FILE = ".stamp.json"
 LIBRARY_DIR = Path(__file__).resolve().parent   # the eqc_utils package
 
 # what each part of a stamp is called when a stage re-runs because it changed
@@ -124,21 +124,6 @@ def files_digest(patterns: tuple) -> str:
     for path in sorted({p for pattern in patterns for p in REPO_ROOT.glob(pattern) if p.is_file()}):
         digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()[:16]
-
-
-def stamp_path(profile: str, stage: str) -> Path:
-    # not stage_dir(): looking at a stamp (e.g. in --dry-run) must not create folders
-    return runs_root() / profile / stage / STAMP_FILE
-
-
-def remove_stamp(profile: str, stage: str) -> None:
-    """Invalidate a stage's cached result: called before its notebook (re)writes any artifact."""
-    stamp_path(profile, stage).unlink(missing_ok=True)
-
-
-def read_stamp(profile: str, stage: str) -> dict | None:
-    path = stamp_path(profile, stage)
-    return io.read_json(path) if path.exists() else None
 
 
 def compute_stamp(spec: StageSpec, params: dict, profile: str, library: str | None = None) -> dict:

@@ -37,7 +37,7 @@ def _metrics_cell(metrics: dict) -> str:
 
 def write_index(profile: str, results) -> Path:
     """Merge this run's results into reports/<profile>/status.json and rewrite index.html."""
-    from eqc_utils.pipeline import stamp_path
+    from eqc_utils.stamps import stamp_path
     root = reports_root() / profile
     root.mkdir(parents=True, exist_ok=True)
     status_path = root / STATUS_FILE

@@ -91,7 +91,7 @@ def open_stage(name: str, profile: str = "tiny", overrides: dict | list | None =
     as up to date until run_all.py completes the stage again."""
     import yaml
 
-    from eqc_utils.pipeline import remove_stamp
+    from eqc_utils.stamps import remove_stamp
     params = load_params(profile, overrides)
     if params["assets"]["hub_allowed"]:
         for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):

@@ -200,7 +200,7 @@ def acceptance_prompts(dataset: str, n: int, *, tokenizer=None, context_tokens: 
         if tokenizer is None:
             raise ValueError("acceptance_prompts('longbench'): a tokenizer is needed to cut the contexts")
         import pandas as pd
-        from eqc_utils.evaluation.latency import first_tokens
+        from eqc_utils.evaluation.documents import first_tokens
         frame = pd.read_csv(assets.long_context_csv())
         texts = []
         for context, question in zip(frame["context"][:n], frame["question"][:n]):
