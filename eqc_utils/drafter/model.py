@@ -37,8 +37,6 @@ from eqc_utils.io import atomic_path
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-# Ids of SmolLM2's unused special tokens (`<repo_name>` ... `<empty_output>`): free to serve as the mask.
-SPARE_SPECIAL_IDS = range(3, 17)
 
 
 @dataclass
