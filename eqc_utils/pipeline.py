@@ -79,7 +79,7 @@ REGISTRY: tuple[StageSpec, ...] = (
               ("drafter_w4/config.json", "tau.json", "window_sweep.json"),
               ("04_pack_target", "05_qad_data", "07_drafter_finetune"),
               description="GPTQ W4A16 drafter (vs RTN) with a sliding window, packed for vLLM; tau, window sweep"),
-    StageSpec("09_eval", 4, ("seed", "assets", "eval"),
+    StageSpec("09_eval", 4, ("seed", "device", "assets", "eval"),
               ("gates.json", "latency.json", "acceptance.json", "eval_summary.json"),
               ("04_pack_target", "08_drafter_quant"),
               description="served stack behind the proxy: quality gates, latency vs the target alone, acceptance",

@@ -191,3 +191,39 @@ def test_one_server_runs_gates_latency_and_acceptance_then_is_reused(speculative
     assert json.loads((tmp_path / "servers" / "final.json").read_text())["key"] == result["key"]
     assert (tmp_path / "logs" / "proxy_final.log").is_file()
     assert suite.run_server("final", spec, settings, tmp_path, prompts, tokenizer) == result
+
+
+@pytest.mark.slow
+def test_reference_backend_without_vllm(speculative_config, tmp_path):
+    """eval.backend: reference: gates by lm-eval's transformers model, latency and acceptance by the
+    static-cache decoder, in the layouts the notebook's tables and figures read."""
+    from eqc_utils.evaluation import latency
+    from transformers import AutoTokenizer
+
+    config, model = speculative_config
+    drafter = yaml.safe_load(config.read_text())["speculative_config"]["model"]
+    settings = {**E, "backend": "reference", "gates": ["mmlu_pro"], "gate_limit": {"mmlu_pro": 2},
+                "max_gen_toks": {"mmlu_pro": 8}, "num_concurrent": 2, "latency_prompt_tokens": [8, 32],
+                "latency_max_tokens": [6, 6], "latency_runs": 2, "latency_warmup": 1, "acceptance_datasets": ["gsm8k"],
+                "acceptance_prompts": 2, "acceptance_max_tokens": 8}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = latency.build_prompts(tokenizer, suite.latency_buckets(settings), 2, 1)
+    results = suite.run_reference(settings, tmp_path, teacher_dir=model, target_dir=model, drafter_dir=drafter,
+                                  tokenizer=tokenizer, latency_prompts=prompts, stops={tokenizer.eos_token_id},
+                                  device="cpu", precision="bf16")
+    assert results["teacher"]["gates"]["backend"] == "reference"
+    assert results["target"]["gates"]["gates"]["mmlu_pro"]["n"] == 2 and "gates" not in results["final"]
+    for server in ("target", "final"):
+        for bucket in ("short", "medium"):
+            summary = results[server]["latency"][bucket]
+            assert summary["n_ok"] == 2 and summary["median_latency_ms"] > 0
+            assert [r["completion_tokens"] for r in summary["runs"]] == [6, 6], "exactly max_tokens, no stop"
+    gsm8k = results["final"]["acceptance"]["per_dataset"]["gsm8k"]
+    assert gsm8k["n_prompts"] == 2 and gsm8k["drafts"] > 0 and len(gsm8k["per_position"]) == 3
+    assert gsm8k["tau"] == pytest.approx(1 + sum(gsm8k["per_position"]))
+    verdicts = suite.judge(results, settings)
+    assert set(verdicts) == {"target"} and verdicts["target"]["all_passed"], "the same model as its own teacher"
+    report = latency.report({"autoregressive": results["target"]["latency"],
+                             "speculative": results["final"]["latency"]}, prompts)
+    assert report["speedup"]["speculative"]["short"]["latency"] > 0
+    assert (tmp_path / "servers" / "reference.json").is_file()

@@ -98,6 +98,30 @@ def run_server(name: str, spec: Mapping, E: Mapping, out_dir: str | Path, latenc
     return result
 
 
+def run_reference(E: Mapping, out_dir: str | Path, *, teacher_dir: str | Path | None, target_dir: str | Path,
+                  drafter_dir: str | Path, tokenizer, latency_prompts: Mapping, stops: set[int], device: str,
+                  precision: str) -> dict[str, dict]:
+    """Everything `run_server` measures, without vLLM (`eval.backend: reference`, see
+    eqc_utils.evaluation.reference): {"teacher": {"gates"}, "target": {"gates", "latency"},
+    "final": {"latency", "acceptance"}}; saved to `servers/reference.json`."""
+    from eqc_utils.drafter.train import load_target
+    from eqc_utils.evaluation import reference
+
+    dtype = "bfloat16" if device.startswith("cuda") and precision == "bf16" else "float32"
+    results: dict[str, dict] = {"target": {"backend": reference.BACKEND}, "final": {"backend": reference.BACKEND}}
+    if E["gates"]:
+        if E["teacher_gates"] and teacher_dir is not None:
+            results["teacher"] = {"gates": reference.gates_hf(teacher_dir, "teacher", E, out_dir, device, dtype)}
+        results["target"]["gates"] = reference.gates_hf(target_dir, "target", E, out_dir, device, dtype)
+    target = load_target(Path(target_dir), device, precision)
+    compile_ = device.startswith("cuda")
+    timings = reference.latency(target, drafter_dir, latency_prompts, compile_)
+    results["target"]["latency"], results["final"]["latency"] = timings["autoregressive"], timings["speculative"]
+    results["final"]["acceptance"] = reference.acceptance(target, drafter_dir, tokenizer, E, stops, compile_)
+    io.write_json(Path(out_dir) / "servers" / "reference.json", results)
+    return results
+
+
 def latency_buckets(E: Mapping) -> tuple:
     return latency.buckets(E["latency_prompt_tokens"], E["latency_max_tokens"])
 
@@ -138,19 +162,21 @@ def judge(results: Mapping[str, Mapping], E: Mapping, out_dir: str | Path | None
     """
     verdicts = {}
     target, final = results["target"].get("gates"), results["final"].get("gates")
-    if target is None or final is None:
+    if target is None:
         return verdicts
     if E["thresholds"] == "paper":
         verdicts["target"] = gates.judge_gates(target, thresholds=gates.PAPER_THRESHOLDS)
-        verdicts["final"] = gates.judge_gates(final, thresholds=gates.PAPER_THRESHOLDS)
+        if final is not None:
+            verdicts["final"] = gates.judge_gates(final, thresholds=gates.PAPER_THRESHOLDS)
     else:
         teacher = results.get("teacher", {}).get("gates")
         if teacher is not None:
             verdicts["target"] = gates.judge_gates(target, reference=teacher, ratio=E["teacher_ratio"],
                                                    stderr_z=E["stderr_z"])
-        verdicts["final"] = gates.judge_gates(final, reference=target, tolerance=E["final_tolerance"],
-                                              stderr_z=E["stderr_z"])
-    if out_dir is not None:
+        if final is not None:
+            verdicts["final"] = gates.judge_gates(final, reference=target, tolerance=E["final_tolerance"],
+                                                  stderr_z=E["stderr_z"])
+    if out_dir is not None and final is not None:
         verdicts["final_vs_target_answers"] = paired_agreement(Path(out_dir) / "gates" / "final",
                                                                Path(out_dir) / "gates" / "target")
     return verdicts
