@@ -3,8 +3,9 @@
 Two backends write the same rows with the same resume semantics:
   * `vllm` (default): `vllm serve` processes started by `eqc_utils.serving.launcher`, queried by an
     async OpenAI-compatible client (`generate`), round-robin over the healthy endpoints;
-  * `transformers`: batched `generate` of a local HF model (`eqc_utils.generation_hf`), for GPU
-    machines without vLLM.
+  * `transformers` (`generate_hf`): a local HF model answering in-process (engines in
+    `eqc_utils.generation_hf`: batched `generate`, static cache + torch.compile, or continuous batching), for
+    GPU machines without vLLM.
 `generate_with_model(model, prompts, out, gen_params)` does either end to end; 02_teacher_data
 passes the teacher, 05_qad_data the packed QAD model.
 
@@ -13,6 +14,10 @@ Input: the prompt JSONL of `eqc_utils.prompts` — `id`, `category`, `conversati
 skipped, at least one user turn required.
 
 Output: one JSON object per line, the prompt row's own keys kept, plus
+  id                 the prompt's id for its first sample, `<prompt id>#s<k>` for sample k ≥ 1
+                     (`generation.n` samples per prompt; files made with n = 1 stay valid as they are)
+  prompt_id, sample  the prompt's id and k: every sample of a prompt shares `prompt_id`, so a split by
+                     prompt keeps them on one side (`prompt_id_of(row)` also reads rows made before these keys)
   conversations      sent messages + {"role": "assistant", "content": text}
   response           text (the assistant content, reasoning re-joined as `<think>…</think>` when the
                      server split it off and `include_reasoning` is on)
@@ -22,11 +27,11 @@ Output: one JSON object per line, the prompt row's own keys kept, plus
   sampling           the sampling parameters sent
 Rows are appended and flushed one by one to `<out>.partial.jsonl`; the finished file is renamed to
 `<out>` only when a run ends, so a later stage never reads a half-written file. A re-run skips the
-prompts already answered with the same messages, sampling and model; rows made otherwise (or repeating an
-id) are regenerated, after the earlier file is kept as `<out>.stale-<YYYYmmdd-HHMMSS>` and the changed
-settings are logged. Lowering `limit` keeps the rows already made. Requests that still fail after all
-retries go to `<out stem>.failures.jsonl` with the error (that file describes the latest run; a re-run
-retries them).
+(prompt, sample) pairs already answered with the same messages, sampling and model; rows made otherwise (or
+repeating an id) are regenerated, after the earlier file is kept as `<out>.stale-<YYYYmmdd-HHMMSS>` and the
+changed settings are logged. Lowering `limit` or `n` keeps the rows already made. Requests that still
+fail after all retries go to `<out stem>.failures.jsonl` with the error (that file describes the latest
+run; a re-run retries them).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from eqc_utils.io import describe_changes, read_jsonl, stale_name, write_jsonl
 
@@ -132,12 +137,53 @@ def sampling_params(gen: dict) -> dict:
 
 
 def output_row(row: dict, messages: list[dict], text: str, *, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, gen_model: str, sampling: dict) -> dict:
+               completion_tokens: int, gen_model: str, sampling: dict, sample: int = 0) -> dict:
+    """The row written for sample `sample` of the prompt `row`."""
     out = {k: v for k, v in row.items() if k not in ("conversations", "messages")}
-    out.update(conversations=messages + [{"role": "assistant", "content": text}], response=text,
+    out.update(id=sample_id(row["id"], sample), prompt_id=row["id"], sample=sample,
+               conversations=messages + [{"role": "assistant", "content": text}], response=text,
                finish_reason=finish_reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                gen_model=gen_model, sampling=sampling)
     return out
+
+
+# ---------------------------------------------------------------- several samples per prompt
+class Job(NamedTuple):
+    """One answer to make: sample `sample` of the prompt `row`, asking `messages`."""
+    row: dict
+    messages: list[dict]
+    sample: int
+
+    @property
+    def id(self):
+        return sample_id(self.row["id"], self.sample)
+
+
+def sample_id(prompt_id, sample: int):
+    """Row id of sample k of a prompt: the prompt's own id for k = 0, so files made before `generation.n`
+    existed (one row per prompt) are still complete for n = 1; `<prompt id>#s<k>` after."""
+    return prompt_id if sample == 0 else f"{prompt_id}#s{sample}"
+
+
+def prompt_id_of(row: dict):
+    """The prompt an output row answers (rows made before `prompt_id` existed: their id)."""
+    return row.get("prompt_id", row.get("id"))
+
+
+def samples_per_prompt(gen: dict) -> int:
+    """`generation.n`, checked: n ≥ 1, and n > 1 only with sampling (greedy answers would be n copies)."""
+    n = gen.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"generation.n must be a positive integer, got {n!r}")
+    if n > 1 and gen["temperature"] <= 0:
+        raise ValueError(f"generation.n={n} with temperature {gen['temperature']} (greedy) would write {n} "
+                         f"identical answers per prompt; set n: 1 or a temperature > 0")
+    return n
+
+
+def sample_seed(gen: dict, sample: int) -> int | None:
+    """The seed sent for sample k: seed + k, so a fixed seed still gives n different answers."""
+    return None if gen["seed"] is None else gen["seed"] + sample
 
 
 # ---------------------------------------------------------------- resumable output files
@@ -150,17 +196,17 @@ def failures_path(out_path: Path) -> Path:
 
 
 def open_for_resume(out_path: Path, prompts: list[tuple[dict, list[dict]]], sampling: dict,
-                    gen_model: str, limit: int | None = None) -> tuple[list, "RowWriter"]:
-    """The prompts still to answer (among the first `limit` of `prompts`), and a writer appending to the
-    partial file. A finished output of an earlier run becomes the partial file again (a rename: nothing
-    copied, nothing lost).
+                    gen_model: str, limit: int | None = None, n: int = 1) -> tuple[list[Job], "RowWriter"]:
+    """The answers still to make (samples 0..n-1 of the first `limit` of `prompts`, prompt by prompt), and
+    a writer appending to the partial file. A finished output of an earlier run becomes the partial file
+    again (a rename: nothing copied, nothing lost).
 
     An earlier row counts as done only if it answered the same messages with the same sampling and
-    model. Rows of prompts beyond `limit` that are done stay in the output (a lower limit only stops
-    generating more). Other rows (prompts, sampling or model changed since; a repeated id) are not kept:
-    the earlier file is first renamed `<out>.stale-<YYYYmmdd-HHMMSS>` and the changed settings are logged,
-    so nothing generated is ever lost. A model retrained in place under the same path is not detected:
-    move the output aside to regenerate it."""
+    model. Rows of prompts beyond `limit`, or of samples beyond `n`, that are done stay in the output (a
+    lower limit or n only stops generating more). Other rows (prompts, sampling or model changed since; a
+    repeated id) are not kept: the earlier file is first renamed `<out>.stale-<YYYYmmdd-HHMMSS>` and the
+    changed settings are logged, so nothing generated is ever lost. A model retrained in place under the
+    same path is not detected: move the output aside to regenerate it."""
     work = partial_path(out_path)
     if out_path.exists():
         if work.exists():
@@ -178,23 +224,32 @@ def open_for_resume(out_path: Path, prompts: list[tuple[dict, list[dict]]], samp
             log.warning("%s: %d of %d earlier rows are not kept (%s); all earlier rows are in %s",
                         out_path, len(earlier) - len(kept), len(earlier), "; ".join(reasons), stale)
         done = {r["id"] for r in kept}
-    todo = [(row, msgs) for row, msgs in prompts[:limit] if row["id"] not in done]
+    todo = [Job(row, msgs, k) for row, msgs in prompts[:limit] for k in range(n)
+            if sample_id(row["id"], k) not in done]
     return todo, RowWriter(work)
 
 
+def _answers(r: dict):
+    """The prompt id an earlier row answers, or None when its id, prompt_id and sample disagree."""
+    pid, k = prompt_id_of(r), r.get("sample", 0)
+    if not isinstance(pid, (str, int)) or not isinstance(k, int) or k < 0 or r.get("id") != sample_id(pid, k):
+        return None
+    return pid
+
+
 def _still_valid(earlier: list[dict], wanted: dict, sampling: dict, gen_model: str) -> tuple[list[dict], list[str]]:
-    """The earlier rows that still answer a current prompt with the current settings (first row per id), and
-    why the others are not kept, naming the settings that changed."""
+    """The earlier rows that still answer a current prompt (`wanted`: prompt id -> messages) with the current
+    settings (first row per id), and why the others are not kept, naming the settings that changed."""
     kept, seen = [], set()
     other_sampling, other_models = {}, {}
     gone = changed_messages = repeated = 0
     for r in earlier:
-        rid = r.get("id")
-        if rid in seen:
-            repeated += 1
-        elif not isinstance(rid, (str, int)) or rid not in wanted:
+        rid, pid = r.get("id"), _answers(r)
+        if pid is None or pid not in wanted:
             gone += 1
-        elif (r.get("conversations") or [])[:-1] != wanted[rid]:
+        elif rid in seen:
+            repeated += 1
+        elif (r.get("conversations") or [])[:-1] != wanted[pid]:
             changed_messages += 1
         elif r.get("sampling") != sampling:
             key = json.dumps(r.get("sampling"), sort_keys=True)
@@ -259,7 +314,7 @@ def finish_output(out_path: Path) -> int:
 class GenerationStats:
     rows: int = 0                 # rows in the finished output (earlier runs included)
     new_rows: int = 0             # rows written by this run
-    already_done: int = 0         # prompts skipped because an earlier run answered them
+    already_done: int = 0         # (prompt, sample) pairs an earlier run answered
     failures: int = 0             # requests given up on (see the failures file)
     truncated: int = 0            # new rows that hit max_tokens (kept or dropped)
     dropped_truncated: int = 0    # truncated rows not saved (keep_truncated off)
@@ -269,6 +324,7 @@ class GenerationStats:
     tokens_per_s: float = 0.0     # completion tokens of this run per wall second
     endpoint_errors: dict = field(default_factory=dict)   # base URL -> connection errors seen
     backend: str = ""
+    engine: str = ""              # transformers backend: generate, static or continuous
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -318,15 +374,13 @@ class PermanentError(Exception):
     """A 4xx answer other than 429: retrying the same request cannot help."""
 
 
-async def _ask(client, served_name: str, messages: list[dict], gen: dict):
+async def _ask(client, served_name: str, messages: list[dict], gen: dict, seed: int | None):
     extra_body = {}
     if gen["top_k"] > 0:
         extra_body["top_k"] = gen["top_k"]
     if gen["thinking"] != "auto":
         extra_body["chat_template_kwargs"] = {"enable_thinking": gen["thinking"] == "on"}
-    kwargs = {}
-    if gen["seed"] is not None:
-        kwargs["seed"] = gen["seed"]
+    kwargs = {} if seed is None else {"seed": seed}
     return await client.chat.completions.create(
         model=served_name, messages=messages, max_tokens=gen["max_tokens"], temperature=gen["temperature"],
         top_p=gen["top_p"], extra_body=extra_body or None, timeout=gen["timeout"], **kwargs)
@@ -347,32 +401,34 @@ def _classify(err: Exception) -> str:
 
 async def generate_async(prompts_path: str | Path, out_path: str | Path, base_urls: list[str], gen: dict, *,
                          served_name: str = "teacher", gen_model: str | None = None) -> GenerationStats:
-    """Answer every prompt not yet in `out_path` through the OpenAI-compatible `base_urls`."""
+    """Answer every (prompt, sample) not yet in `out_path` through the OpenAI-compatible `base_urls`: one
+    request per sample (vLLM's prefix cache shares the prompt's work between them)."""
     import openai
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
+    n = samples_per_prompt(gen)
     prompts = load_prompts(prompts_path)
     sampling = sampling_params(gen)
     gen_model = gen_model or served_name
-    todo, writer = open_for_resume(out_path, prompts, sampling, gen_model, gen["limit"])
-    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) - len(todo), backend="vllm")
+    todo, writer = open_for_resume(out_path, prompts, sampling, gen_model, gen["limit"], n)
+    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) * n - len(todo), backend="vllm")
     endpoints = Endpoints(base_urls, gen["backoff"], gen["max_backoff"])
     clients = {u: openai.AsyncOpenAI(base_url=u, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=0)
                for u in base_urls}
     failures = FailureLog(failures_path(out_path))
     queue: asyncio.Queue = asyncio.Queue()
-    for item in todo:
-        queue.put_nowait(item)
+    for job in todo:
+        queue.put_nowait(job)
     bar = tqdm(total=len(todo), desc=f"generate {out_path.name}", unit="row", dynamic_ncols=True)
     started = time.monotonic()
 
-    async def answer(row: dict, msgs: list[dict]) -> None:
+    async def answer(job: Job) -> None:
         url, last_error = None, ""
         for attempt in range(gen["max_retries"] + 1):
             url = endpoints.pick(avoid=url)
             try:
-                resp = await _ask(clients[url], served_name, msgs, gen)
+                resp = await _ask(clients[url], served_name, job.messages, gen, sample_seed(gen, job.sample))
             except Exception as err:  # noqa: BLE001 - classified below, unknown ones are permanent
                 kind, last_error = _classify(err), f"{type(err).__name__}: {err}"
                 if kind == "permanent":
@@ -395,13 +451,13 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
             if not text:
                 last_error = "empty response"
                 continue
-            record(row, msgs, text, choice.finish_reason or "stop",
+            record(job, text, choice.finish_reason or "stop",
                    getattr(resp.usage, "prompt_tokens", 0), getattr(resp.usage, "completion_tokens", 0))
             return
         stats.failures += 1
-        failures.write(row["id"], last_error, url)
+        failures.write(job.id, last_error, url)
 
-    def record(row, msgs, text, finish_reason, prompt_tokens, completion_tokens) -> None:
+    def record(job: Job, text, finish_reason, prompt_tokens, completion_tokens) -> None:
         stats.prompt_tokens += prompt_tokens
         stats.completion_tokens += completion_tokens
         if finish_reason == "length":
@@ -409,17 +465,18 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
             if not gen["keep_truncated"]:
                 stats.dropped_truncated += 1
                 return
-        writer.write(output_row(row, msgs, text, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
-                                completion_tokens=completion_tokens, gen_model=gen_model, sampling=sampling))
+        writer.write(output_row(job.row, job.messages, text, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                                completion_tokens=completion_tokens, gen_model=gen_model, sampling=sampling,
+                                sample=job.sample))
         stats.new_rows += 1
 
     async def worker() -> None:
         while True:
             try:
-                row, msgs = queue.get_nowait()
+                job = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            await answer(row, msgs)
+            await answer(job)
             bar.update(1)
             bar.set_postfix(tok_s=f"{stats.completion_tokens / max(1e-9, time.monotonic() - started):.0f}",
                             failed=stats.failures, refresh=False)
@@ -461,10 +518,10 @@ class FailureLog:
         self.file = None
         path.unlink(missing_ok=True)
 
-    def write(self, prompt_id, error: str, endpoint: str | None) -> None:
+    def write(self, row_id, error: str, endpoint: str | None) -> None:
         if self.file is None:
             self.file = open(self.path, "a", encoding="utf-8")
-        self.file.write(json.dumps({"id": prompt_id, "error": error, "endpoint": endpoint,
+        self.file.write(json.dumps({"id": row_id, "error": error, "endpoint": endpoint,
                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
         self.file.flush()
 
@@ -512,6 +569,75 @@ def _run_in_thread(coro):
     return result["value"]
 
 
+# ---------------------------------------------------------------- the transformers backend
+def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Path, gen: dict, *,
+                device: str = "auto") -> GenerationStats:
+    """Answer every (prompt, sample) not yet in `out_path` with a local HF model in-process, with the engine
+    `gen["hf_engine"]` of `eqc_utils.generation_hf`; same rows and resume as the vLLM backend."""
+    from eqc_utils import generation_hf
+
+    out_path = Path(out_path)
+    n = samples_per_prompt(gen)
+    prompts = load_prompts(prompts_path)
+    sampling = sampling_params(gen)
+    todo, writer = open_for_resume(out_path, prompts, sampling, str(model), gen["limit"], n)
+    engine = gen.get("hf_engine", "generate")
+    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) * n - len(todo), backend="transformers",
+                            engine=engine)
+    started = time.monotonic()
+    try:
+        if todo:  # nothing to load when an earlier run answered everything
+            lm, tokenizer = generation_hf.load_model(model, device)
+            rows = TokenRows(stats, writer, gen, sampling, str(model), tokenizer,
+                             generation_hf.eos_token_ids(lm, tokenizer))
+            generation_hf.answer(lm, tokenizer, todo, gen, rows.add,
+                                 f"generate {out_path.name} (transformers {engine})")
+    finally:
+        writer.close()
+    stats.seconds = time.monotonic() - started
+    stats.tokens_per_s = stats.completion_tokens / max(stats.seconds, 1e-9)
+    stats.rows = finish_output(out_path)
+    return stats
+
+
+class TokenRows:
+    """Turns an answer's new token ids into its output row: decoded, counted in the stats, written unless
+    dropped (truncated with keep_truncated off; empty, which counts as a failure a re-run retries)."""
+
+    def __init__(self, stats: GenerationStats, writer: RowWriter, gen: dict, sampling: dict, gen_model: str,
+                 tokenizer, eos_ids: set[int]):
+        self.stats, self.writer, self.gen = stats, writer, gen
+        self.sampling, self.gen_model, self.tokenizer, self.eos_ids = sampling, gen_model, tokenizer, eos_ids
+
+    def add(self, seq, new_ids: list[int] | None) -> None:
+        """`seq`: a generation_hf.Sequence (its Job and prompt token ids); None: the engine failed it."""
+        if new_ids is None:
+            self.stats.failures += 1
+            return
+        finished = bool(new_ids) and new_ids[-1] in self.eos_ids
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        text = reconstruct_text(text, None, self.gen["thinking"], self.gen["include_reasoning"])
+        job = seq.job
+        self._record(output_row(job.row, job.messages, text, finish_reason="stop" if finished else "length",
+                                prompt_tokens=len(seq.ids), completion_tokens=len(new_ids), gen_model=self.gen_model,
+                                sampling=self.sampling, sample=job.sample))
+
+    def _record(self, row: dict) -> None:
+        stats = self.stats
+        stats.prompt_tokens += row["prompt_tokens"]
+        stats.completion_tokens += row["completion_tokens"]
+        if row["finish_reason"] == "length":
+            stats.truncated += 1
+            if not self.gen["keep_truncated"]:
+                stats.dropped_truncated += 1
+                return
+        if row["response"]:
+            self.writer.write(row)
+            stats.new_rows += 1
+        else:
+            stats.failures += 1  # empty answers are not saved (a re-run asks again), as with vLLM
+
+
 # ---------------------------------------------------------------- end to end
 def generate_with_model(model: str | Path, prompts_path: str | Path, out_path: str | Path, gen: dict, *,
                         device: str = "auto", log_dir: str | Path | None = None,
@@ -519,7 +645,6 @@ def generate_with_model(model: str | Path, prompts_path: str | Path, out_path: s
     """Serve `model` (a local HF folder or hub id) and answer `prompts_path` into `out_path`, with
     the backend chosen by `gen["backend"]`. Resumes what an earlier run left."""
     if gen["backend"] == "transformers":
-        from eqc_utils.generation_hf import generate_hf
         return generate_hf(model, prompts_path, out_path, gen, device=device)
     from eqc_utils.serving.launcher import VLLMServers
     with VLLMServers(model, n=gen["n_servers"], served_name=served_name, extra_args=gen["vllm_args"],

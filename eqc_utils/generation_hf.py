@@ -1,14 +1,41 @@
-"""The transformers backend of the data generator: batched `generate` of a local HF model, for GPU
-machines without vLLM. Same input, output rows, resume and partial-file rules as
-`eqc_utils.generation` (read its docstring for the schema)."""
+"""The engines of the data generator's transformers backend: a local HF model answers the prompts in-process,
+for GPU machines without vLLM. `eqc_utils.generation.generate_hf` runs them with the same input, output rows,
+samples per prompt, resume and partial-file rules as the vLLM backend; this module knows nothing of rows
+(so the import runs one way, generation -> generation_hf).
+
+Three engines (`generation.hf_engine`), all from transformers itself (measurements: docs/generation.md):
+  * `generate`: stock `generate` with a dynamic cache on batches of `hf_batch_size` sequences, longest
+    prompts first, left-padded. The plain fallback. With `hf_refill` < 1 a batch's call ends once that
+    share of its answers has ended, and the rest continue beside new sequences.
+  * `static`: the same batches with a static KV cache (per batch: longest prompt rounded up to a power of
+    two, plus max_tokens), so that transformers compiles the decoding step with torch.compile and CUDA
+    graphs on a GPU; the first batch of each new shape pays the compile. Fastest on one H200.
+  * `continuous`: transformers' continuous-batching manager (paged KV cache): a finished sequence frees its
+    place for the next one at once; `hf_batch_size` caps the sequences decoded together. Fast only with
+    flash attention installed.
+Each (prompt, sample) is its own sequence; samples of one prompt sit next to each other. Greedy outputs of
+every engine equal each prompt's unbatched `generate` (tests/test_generation.py, fp32).
+"""
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from eqc_utils.devices import resolve_device
-from eqc_utils.generation import (GenerationStats, finish_output, load_prompts, open_for_resume, output_row,
-                                  reconstruct_text, sampling_params)
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("generate", "static", "continuous")
+
+
+@dataclass
+class Sequence:
+    """One answer to make (an `eqc_utils.generation.Job`) with its prompt's token ids."""
+    job: object
+    ids: list[int]
 
 
 def render_prompt(tokenizer, messages: list[dict], thinking: str) -> list[int]:
@@ -19,88 +46,202 @@ def render_prompt(tokenizer, messages: list[dict], thinking: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Path, gen: dict, *,
-                device: str = "auto") -> GenerationStats:
-    """Answer every prompt not yet in `out_path`, `gen["hf_batch_size"]` prompts per generate call
-    (grouped by length to waste little padding)."""
+def answer(lm, tokenizer, jobs: list, gen: dict, emit, desc: str) -> None:
+    """Answer `jobs` (each with .messages) with the engine `gen["hf_engine"]`, calling `emit(sequence, new
+    token ids)` as answers end (None for one the continuous batcher failed), under a progress bar."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    engine = gen.get("hf_engine", "generate")
+    if engine not in ENGINES:
+        raise ValueError(f"generation.hf_engine must be one of {ENGINES}, got {engine!r}")
+    if not 0 < gen.get("hf_refill", 1.0) <= 1:
+        raise ValueError(f"generation.hf_refill must be in (0, 1], got {gen['hf_refill']!r}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = eos_token_ids(lm, tokenizer)
+    if gen["seed"] is not None:
+        torch.manual_seed(gen["seed"])
+    sequences = [Sequence(job, render_prompt(tokenizer, job.messages, gen["thinking"])) for job in jobs]
+    bar = tqdm(total=len(sequences), desc=desc, unit="row", dynamic_ncols=True)
+    started, tokens = time.monotonic(), [0]
 
-    out_path = Path(out_path)
-    device = resolve_device(device)
-    prompts = load_prompts(prompts_path)
-    sampling = sampling_params(gen)
-    todo, writer = open_for_resume(out_path, prompts, sampling, str(model), gen["limit"])
-    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) - len(todo), backend="transformers")
-    started = time.monotonic()
+    def emit_and_show(seq: Sequence, new_ids: list[int] | None) -> None:
+        emit(seq, new_ids)
+        tokens[0] += len(new_ids or [])
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens[0] / max(1e-9, time.monotonic() - started):.0f}", refresh=False)
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos_ids = _eos_ids(lm, tokenizer)
-        if gen["seed"] is not None:
-            torch.manual_seed(gen["seed"])
-        encoded = sorted(((row, msgs, render_prompt(tokenizer, msgs, gen["thinking"])) for row, msgs in todo),
-                         key=lambda item: len(item[2]))
-        bar = tqdm(total=len(encoded), desc=f"generate {out_path.name} (transformers)", unit="row", dynamic_ncols=True)
-        for start in range(0, len(encoded), gen["hf_batch_size"]):
-            batch = encoded[start:start + gen["hf_batch_size"]]
-            for (row, msgs, ids), new_ids in zip(batch, _generate_batch(lm, [b[2] for b in batch], gen, pad_id,
-                                                                       eos_ids, device)):
-                finished = bool(new_ids) and new_ids[-1] in eos_ids
-                text = tokenizer.decode(new_ids, skip_special_tokens=True)
-                text = reconstruct_text(text, None, gen["thinking"], gen["include_reasoning"])
-                _record(stats, writer, gen, output_row(
-                    row, msgs, text, finish_reason="stop" if finished else "length", prompt_tokens=len(ids),
-                    completion_tokens=len(new_ids), gen_model=str(model), sampling=sampling))
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{stats.completion_tokens / max(1e-9, time.monotonic() - started):.0f}",
-                            refresh=False)
-        bar.close()
+        if engine == "continuous":
+            run_continuous(lm, sequences, gen, pad_id, eos_ids, emit_and_show)
+        else:
+            run_batches(lm, sequences, gen, pad_id, eos_ids, emit_and_show, static_cache=engine == "static")
     finally:
-        writer.close()
-    stats.seconds = time.monotonic() - started
-    stats.tokens_per_s = stats.completion_tokens / max(stats.seconds, 1e-9)
-    stats.rows = finish_output(out_path)
-    return stats
+        bar.close()
 
 
-def _eos_ids(lm, tokenizer) -> set[int]:
+def load_model(model: str | Path, device: str = "auto"):
+    """(model, tokenizer): bf16 on a GPU, fp32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = resolve_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    return lm, tokenizer
+
+
+def eos_token_ids(lm, tokenizer) -> set[int]:
     eos = lm.generation_config.eos_token_id if lm.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     return set(eos if isinstance(eos, list) else [eos])
 
 
-def _generate_batch(lm, batch_ids: list[list[int]], gen: dict, pad_id: int, eos_ids: set, device: str) -> list[list[int]]:
-    """New tokens per prompt, cut after the first end-of-sequence token (kept, as vLLM counts it)."""
+def cut_after_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """New tokens up to the first end-of-sequence token, kept (vLLM counts it too)."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+    return tokens[:cut]
+
+
+def sampling_kwargs(gen: dict) -> dict:
+    """`generate` settings for params' sampling: greedy at temperature 0, else T / top_p / top_k."""
+    if gen["temperature"] <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": gen["temperature"], "top_p": gen["top_p"],
+            "top_k": gen["top_k"] if gen["top_k"] > 0 else None}
+
+
+# ---------------------------------------------------------------- engines generate and static
+@dataclass
+class Answering:
+    """A sequence in a batch and the answer tokens it has so far (from earlier rounds)."""
+    seq: Sequence
+    tokens: list[int]
+
+
+def run_batches(lm, sequences: list[Sequence], gen: dict, pad_id: int, eos_ids: set, emit, *,
+                static_cache: bool) -> None:
+    """`hf_batch_size` sequences decoded together in rounds of `generate`. Engine generate: a round ends once
+    `hf_refill` of its sequences have finished (or all of them, at 1.0); finished ones are emitted, the others
+    stay in the batch with their answer so far as part of their prompt, and new sequences take the free
+    places. Without that, a batch idles until its longest answer ends: with the small profile's answers
+    (median ~206 tokens, ~27% at the 384 cap) about 40% of the decoding work goes to finished sequences.
+    Engine static always runs each batch to its end: refilled rounds each bring a new batch size and cache
+    length, which the compiled decoding step has to record again (one H200 run of static with refill 0.3
+    gave 4.2K tok/s; docs/generation.md).
+
+    New sequences are taken longest prompt first: the first batch is the largest, so a batch size that does
+    not fit in memory fails at once rather than hours in; the sort is stable, so a prompt's samples stay
+    together and a batch holds prompts of similar length."""
+    queue = deque(sorted(sequences, key=lambda s: -len(s.ids)))
+    share = 1.0 if static_cache else gen.get("hf_refill", 1.0)
+    batch: list[Answering] = []
+    while queue or batch:
+        while queue and len(batch) < gen["hf_batch_size"]:
+            batch.append(Answering(queue.popleft(), []))
+        budgets = [gen["max_tokens"] - len(a.tokens) for a in batch]
+        inputs = [a.seq.ids + a.tokens for a in batch]
+        cache_len = static_cache_len(inputs, max(budgets)) if static_cache else None
+        news = generate_round(lm, inputs, budgets, gen, pad_id, eos_ids, share, cache_len)
+        unfinished = []
+        for answering, new_ids in zip(batch, news):
+            answering.tokens += new_ids
+            if (new_ids and new_ids[-1] in eos_ids) or len(answering.tokens) >= gen["max_tokens"]:
+                emit(answering.seq, answering.tokens)
+            else:
+                unfinished.append(answering)
+        batch = unfinished
+
+
+def static_cache_len(batch_ids: list[list[int]], new_tokens: int) -> int:
+    """Static cache length of one round: its longest input rounded up to a power of two (at least 128), plus
+    the new tokens. Each decoding step attends over the whole static cache, so one size fitted to the longest
+    input of a run would slow the many short batches; powers of two keep the compiled shapes few."""
+    width = max(len(ids) for ids in batch_ids)
+    return max(128, 1 << (width - 1).bit_length()) + new_tokens
+
+
+def generate_round(lm, batch_ids: list[list[int]], budgets: list[int], gen: dict, pad_id: int, eos_ids: set,
+                   share: float = 1.0, static_cache_len: int | None = None) -> list[list[int]]:
+    """New tokens of each left-padded input, at most its budget, cut after an end-of-sequence token; the call
+    returns early once `share` of the inputs have finished (static cache of `static_cache_len` if given)."""
     import torch
+    from transformers import StoppingCriteriaList
+    device = lm.device
     width = max(len(ids) for ids in batch_ids)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch_ids], device=device)
     attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids], device=device)
-    sample = gen["temperature"] > 0
-    kwargs = dict(do_sample=sample, max_new_tokens=gen["max_tokens"], pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
-    if sample:
-        kwargs.update(temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"] if gen["top_k"] > 0 else None)
+    kwargs = dict(max_new_tokens=max(budgets), pad_token_id=pad_id, eos_token_id=sorted(eos_ids),
+                  **sampling_kwargs(gen))
+    if share < 1.0:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([ShareFinished(width, budgets, eos_ids, share, device)])
+    if static_cache_len is not None:
+        kwargs.update(cache_implementation="static", max_cache_len=static_cache_len)
     with torch.inference_mode():
         out = lm.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
-    results = []
-    for seq in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(seq) if t in eos_ids), len(seq))
-        results.append(seq[:cut])
-    return results
+    return [cut_after_eos(seq[:budget], eos_ids) for seq, budget in zip(out[:, width:].tolist(), budgets)]
 
 
-def _record(stats: GenerationStats, writer, gen: dict, row: dict) -> None:
-    stats.prompt_tokens += row["prompt_tokens"]
-    stats.completion_tokens += row["completion_tokens"]
-    if row["finish_reason"] == "length":
-        stats.truncated += 1
-        if not gen["keep_truncated"]:
-            stats.dropped_truncated += 1
-            return
-    if row["response"]:
-        writer.write(row)
-        stats.new_rows += 1
-    else:
-        stats.failures += 1  # empty answers are not saved (a re-run asks again), as with vLLM
+class ShareFinished:
+    """A `generate` stopping criterion: stops the whole call once `share` of its rows have an end-of-sequence
+    token or have used their own budget (their places are then better given to new sequences)."""
+
+    def __init__(self, start: int, budgets: list[int], eos_ids: set, share: float, device):
+        import torch
+        self.start, self.share = start, share
+        self.budgets = torch.tensor(budgets, device=device)
+        self.eos = torch.tensor(sorted(eos_ids), device=device)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+        new = input_ids[:, self.start:]
+        done = torch.isin(new, self.eos).any(dim=1) | (new.shape[1] >= self.budgets)
+        stop = bool(done.float().mean() >= self.share)
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+# ---------------------------------------------------------------- engine continuous
+def run_continuous(lm, sequences: list[Sequence], gen: dict, pad_id: int, eos_ids: set, emit) -> None:
+    """All sequences go to transformers' continuous-batching manager; rows are written as answers finish.
+    A sequence the manager fails is logged and left for the next run (as a failed request is with vLLM)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(max_new_tokens=gen["max_tokens"], eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
+                              **sampling_kwargs(gen))
+    longest = max(len(s.ids) for s in sequences)
+    cb_config = ContinuousBatchingConfig(max_requests_per_batch=gen["hf_batch_size"], seed=gen["seed"],
+                                         num_blocks=_cpu_cache_blocks(lm, len(sequences), longest, gen))
+    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=gen["max_tokens"],
+                          num_requests=len(sequences))
+    pending = {str(i): seq for i, seq in enumerate(sequences)}
+    with lm.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                workload_hints=hints) as manager:
+        for request_id, seq in pending.items():
+            manager.add_request(seq.ids, request_id=request_id, max_new_tokens=gen["max_tokens"])
+        while pending:
+            result = manager.get_result(timeout=1.0)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"the continuous-batching loop stopped with {len(pending)} sequences "
+                                       "unanswered (set generation.hf_engine: generate to use plain batches)")
+                continue
+            if not result.is_finished() or result.request_id not in pending:
+                continue
+            seq = pending.pop(result.request_id)
+            if result.error is not None:
+                log.warning("%s: continuous batching failed this sequence (%s); a re-run retries it",
+                            seq.job.id, result.error)
+                emit(seq, None)
+            else:
+                emit(seq, cut_after_eos(list(result.generated_tokens), eos_ids))
+
+
+def _cpu_cache_blocks(lm, count: int, longest_prompt: int, gen: dict) -> int | None:
+    """KV-cache pages for `hf_batch_size` sequences of the longest length, on CPU. On a GPU, None lets
+    transformers size the cache from free memory; on CPU that sizing takes most of the RAM (a 23 GB machine
+    ran out of memory), so it is given just what one batch needs."""
+    if lm.device.type == "cuda":
+        return None
+    from transformers import ContinuousBatchingConfig
+    page = ContinuousBatchingConfig.page_size
+    pages_per_sequence = -(-(longest_prompt + gen["max_tokens"]) // page) + 1
+    return min(count, gen["hf_batch_size"]) * pages_per_sequence

@@ -99,6 +99,9 @@ SCHEMA: dict = {
         # transformers backend: generate (dynamic cache), static (static cache + torch.compile on GPU) or
         # continuous (transformers' continuous batching; docs/generation.md)
         "hf_engine": OneOf("generate", "static", "continuous"),
+        # engine generate: a batch's generate call ends once this share of its sequences has finished; the rest
+        # continue in the next call beside new prompts (1.0: off, each batch runs until its longest answer ends)
+        "hf_refill": float,
     },
     # ---- stage 2: the INT4 grid of the target (eqc_utils.quant.grid, eqc_utils.quant.ptq)
     "quant": {
@@ -232,6 +235,7 @@ SCHEMA: dict = {
         "stderr_z": float,                 # relative rules widened by z standard errors of the difference
         "latency_prompt_tokens": ListOf(int),   # short / medium / long prompt lengths (paper 64 / 2048 / 8192)
         "latency_max_tokens": ListOf(int),      # new tokens per bucket (paper 128 / 256 / 256)
+        "latency_side_by_side": bool,      # serve target and final stack together, time them request by request in turn
         "latency_runs": int,               # measured requests per bucket and server (paper 50)
         "latency_warmup": int,             # warm-up requests per bucket (paper 5)
         "acceptance_datasets": ListOf(OneOf("gsm8k", "humaneval", "longbench")),

@@ -18,6 +18,23 @@ def micro_model(folder: Path) -> Path:
     return micro_llama(folder / "micro_llama")
 
 
+def lively_micro_model(folder: Path) -> Path:
+    """The micro Llama with its matrices drawn wider (std 0.15): greedy answers then differ from prompt to
+    prompt and token to token, so a padding or batching mistake shows (the stock init answers every prompt
+    with one repeated token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = micro_model(folder)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in lm.parameters():
+            if weight.dim() > 1:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.15)
+    lm.save_pretrained(path)
+    return path
+
+
 def gen_params(**changes) -> dict:
     from eqc_utils.params import load_params
     gen = dict(load_params("tiny")["generation"])

@@ -45,6 +45,19 @@ def test_heldout_rows_depend_on_ids_not_on_file_order():
         split_heldout(rows, 50)
 
 
+def test_heldout_prompts_take_all_their_samples_out_of_training():
+    """generation.n > 1: a held-out prompt is measured once, and none of its samples is trained on."""
+    rows = [{"id": f"p{i}" if k == 0 else f"p{i}#s{k}", "prompt_id": f"p{i}", "sample": k}
+            for i in range(20) for k in range(3)]
+    train, heldout = split_heldout(rows, 4)
+    held = {r["prompt_id"] for r in heldout}
+    assert len(heldout) == 4 and len(held) == 4 and all(r["sample"] == 0 for r in heldout)
+    assert not held & {r["prompt_id"] for r in train} and len(train) == 16 * 3
+    # the same prompts as with one sample per prompt (rows of older files have no prompt_id)
+    _, single = split_heldout([{"id": f"p{i}"} for i in range(20)], 4)
+    assert {r["id"] for r in single} == held
+
+
 def tiny_params(**changes):
     P = load_params("tiny")["drafter"]
     P.update(num_layers=1, block_size=8, num_anchors=48, heldout_prompts=1, epochs=1000, max_steps=60,

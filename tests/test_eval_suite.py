@@ -194,6 +194,30 @@ def test_one_server_runs_gates_latency_and_acceptance_then_is_reused(speculative
 
 
 @pytest.mark.slow
+@needs_vllm
+def test_target_and_final_side_by_side(speculative_config, tmp_path):
+    """Both servers up at once; latency alternates between them; results saved per server and reused."""
+    from eqc_utils.evaluation import latency
+    from transformers import AutoTokenizer
+
+    config, model = speculative_config
+    settings = {**E, "gates": [], "latency_prompt_tokens": [8], "latency_max_tokens": [4], "latency_runs": 2,
+                "latency_warmup": 0, "acceptance_datasets": ["gsm8k"], "acceptance_prompts": 1,
+                "acceptance_max_tokens": 8, "startup_timeout": 550.0}
+    plan = {name: {"config": str(config), "overrides": {"served_model_name": name}, "gates": False,
+                   "latency": True, "acceptance": name == "final"} for name in ("target", "final")}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = latency.build_prompts(tokenizer, suite.latency_buckets(settings), 2, 0)
+    results = suite.run_side_by_side(plan, settings, tmp_path, prompts, tokenizer)
+    for name in ("target", "final"):
+        assert results[name]["side_by_side"] and results[name]["latency"]["short"]["n_ok"] == 2
+        assert (tmp_path / "logs" / f"proxy_{name}.log").is_file()
+    assert results["final"]["acceptance"]["per_dataset"]["gsm8k"]["drafts"] > 0
+    assert "acceptance" not in results["target"]
+    assert suite.run_side_by_side(plan, settings, tmp_path, prompts, tokenizer) == results
+
+
+@pytest.mark.slow
 def test_reference_backend_without_vllm(speculative_config, tmp_path):
     """eval.backend: reference: gates by lm-eval's transformers model, latency and acceptance by the
     static-cache decoder, in the layouts the notebook's tables and figures read."""

@@ -12,13 +12,17 @@ import time
 
 import pytest
 
-from eqc_utils.generation import (generate, load_prompts, output_row, partial_path, reconstruct_text,
-                                  request_messages, failures_path, sampling_params)
+from eqc_utils.generation import (generate, load_prompts, output_row, partial_path, prompt_id_of, reconstruct_text,
+                                  request_messages, failures_path, sample_id, samples_per_prompt, sampling_params)
 from eqc_utils.serving.launcher import VLLMServers, free_port
-from tests._fixtures_generation import SERVER_ARGS, gen_params, micro_model, needs_vllm, read_rows, write_prompts
+from tests._fixtures_generation import (SERVER_ARGS, gen_params, lively_micro_model, micro_model, needs_vllm, read_rows,
+                                        write_prompts)
 
-OUTPUT_KEYS = {"id", "category", "source", "reasoning", "conversations", "response", "finish_reason",
-               "prompt_tokens", "completion_tokens", "gen_model", "sampling"}
+OUTPUT_KEYS = {"id", "prompt_id", "sample", "category", "source", "reasoning", "conversations", "response",
+               "finish_reason", "prompt_tokens", "completion_tokens", "gen_model", "sampling"}
+# (engine, hf_refill): refill 0.3 makes the generate engine stop a batch after each third of its answers
+ENGINES = {"generate": ("generate", 1.0), "generate_refill": ("generate", 0.3), "static": ("static", 1.0),
+           "continuous": ("continuous", 1.0)}
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +84,49 @@ def test_requests_that_keep_failing_go_to_the_failures_file(tmp_path):
     assert out.exists() and read_rows(out) == [] and not partial_path(out).exists()
 
 
-def _earlier_output(out, prompts, gen: dict, n: int | None = None, model: str = "micro") -> list[dict]:
-    """An output file as an earlier run with `gen` would have left it (n rows)."""
-    rows = [output_row(row, msgs, f"answer {row['id']}", finish_reason="stop", prompt_tokens=5, completion_tokens=2,
-                       gen_model=model, sampling=sampling_params(gen)) for row, msgs in load_prompts(prompts)[:n]]
+def _earlier_output(out, prompts, gen: dict, n: int | None = None, model: str = "micro",
+                    samples: int = 1) -> list[dict]:
+    """An output file as an earlier run with `gen` would have left it (`samples` rows for each of n prompts)."""
+    rows = [output_row(row, msgs, f"answer {row['id']} {k}", finish_reason="stop", prompt_tokens=5,
+                       completion_tokens=2, gen_model=model, sampling=sampling_params(gen), sample=k)
+            for row, msgs in load_prompts(prompts)[:n] for k in range(samples)]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+def test_sample_ids_keep_the_prompt_id_for_the_first_sample():
+    assert [sample_id("q7", k) for k in range(3)] == ["q7", "q7#s1", "q7#s2"] and sample_id(7, 0) == 7
+    row = output_row({"id": "q7", "category": "chat", "conversations": []}, [{"role": "user", "content": "Q"}], "A",
+                     finish_reason="stop", prompt_tokens=3, completion_tokens=1, gen_model="m", sampling={}, sample=2)
+    assert (row["id"], row["prompt_id"], row["sample"]) == ("q7#s2", "q7", 2)
+    assert prompt_id_of(row) == "q7" and prompt_id_of({"id": "old"}) == "old", "rows made before prompt_id existed"
+
+
+def test_several_samples_need_sampling():
+    assert samples_per_prompt(gen_params(n=4)) == 4 and samples_per_prompt({"temperature": 0.0}) == 1
+    with pytest.raises(ValueError, match="identical answers"):
+        samples_per_prompt(gen_params(n=2, temperature=0.0))
+    with pytest.raises(ValueError, match="positive integer"):
+        samples_per_prompt(gen_params(n=0))
+
+
+def test_raising_n_asks_only_for_the_new_samples(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    out = tmp_path / "teacher.jsonl"
+    before = _earlier_output(out, prompts, gen_params())    # a file made before generation.n existed: n = 1
+    stats = generate(prompts, out, [dead_url()], gen_params(n=3, max_retries=0), gen_model="micro")
+    assert stats.already_done == 4 and stats.failures == 8 and read_rows(out) == before
+    assert sorted(r["id"] for r in read_rows(failures_path(out))) == sorted(
+        f"q{i:03d}#s{k}" for i in range(4) for k in (1, 2))
+
+
+def test_a_lower_n_keeps_the_samples_already_made(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    out = tmp_path / "teacher.jsonl"
+    before = _earlier_output(out, prompts, gen_params(), samples=3)
+    stats = generate(prompts, out, [dead_url()], gen_params(n=2, max_retries=0), gen_model="micro")
+    assert stats.already_done == 8 and stats.failures == 0 and read_rows(out) == before
+    assert not list(tmp_path.glob("*.stale-*"))
 
 
 def test_changed_sampling_keeps_earlier_rows_aside_and_names_the_change(tmp_path, caplog):
@@ -204,7 +245,7 @@ def test_client_errors_are_permanent_and_recorded(server, tmp_path):
 
 # ---------------------------------------------------------------- transformers backend
 def test_transformers_backend_writes_the_same_rows_and_resumes(model, tmp_path):
-    from eqc_utils.generation_hf import generate_hf
+    from eqc_utils.generation import generate_hf
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     out = tmp_path / "teacher.jsonl"
     gen = gen_params(max_tokens=6, hf_batch_size=2, limit=3)
@@ -225,7 +266,7 @@ def test_transformers_backend_writes_the_same_rows_and_resumes(model, tmp_path):
 
 
 def test_a_torn_last_line_is_dropped_on_resume(model, tmp_path):
-    from eqc_utils.generation_hf import generate_hf
+    from eqc_utils.generation import generate_hf
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     out = tmp_path / "teacher.jsonl"
     generate_hf(model, prompts, out, gen_params(max_tokens=4, limit=1), device="cpu")
@@ -233,3 +274,89 @@ def test_a_torn_last_line_is_dropped_on_resume(model, tmp_path):
     out.unlink()
     stats = generate_hf(model, prompts, out, gen_params(max_tokens=4), device="cpu")
     assert stats.already_done == 1 and [r["id"] for r in read_rows(out)] == ["q000", "q001"]
+
+
+# ---------------------------------------------------------------- transformers engines against unbatched generate
+PROMPT_IDS = [[1] + [(37 * i * j + 11) % 49000 + 100 for j in range(3 + 5 * i)] for i in range(7)]  # 4 to 34 tokens
+
+
+@pytest.fixture(scope="module")
+def lively_path(tmp_path_factory):
+    return lively_micro_model(tmp_path_factory.mktemp("lively"))
+
+
+@pytest.fixture(scope="module")
+def lively(lively_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(lively_path, dtype=torch.float32).eval()
+
+
+def _unbatched_greedy(lm, eos: set, max_tokens: int) -> list[list[int]]:
+    import torch
+    from eqc_utils.generation_hf import cut_after_eos
+    answers = []
+    for ids in PROMPT_IDS:
+        out = lm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_tokens, pad_token_id=2, eos_token_id=sorted(eos))
+        answers.append(cut_after_eos(out[0, len(ids):].tolist(), eos))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def reference(lively):
+    """Each prompt's greedy answer, generated alone, with an end-of-sequence token that one answer reaches early."""
+    eos = {2, _unbatched_greedy(lively, {2}, 12)[3][5]}
+    answers = _unbatched_greedy(lively, eos, 12)
+    assert any(len(a) < 12 for a in answers) and any(len(a) == 12 for a in answers)
+    return eos, answers
+
+
+def _engine_answers(lm, engine: str, gen: dict, eos: set) -> list[list[int]]:
+    from eqc_utils.generation import Job
+    from eqc_utils.generation_hf import Sequence, run_batches, run_continuous
+    sequences = [Sequence(Job({"id": i}, [], 0), ids) for i, ids in enumerate(PROMPT_IDS)]
+    got = {}
+    emit = lambda seq, new_ids: got.__setitem__(seq.job.row["id"], new_ids)  # noqa: E731
+    if engine == "continuous":
+        run_continuous(lm, sequences, gen, 2, eos, emit)
+    else:
+        run_batches(lm, sequences, gen, 2, eos, emit, static_cache=engine == "static")
+    return [got[i] for i in range(len(PROMPT_IDS))]
+
+
+@pytest.mark.parametrize("setting", ENGINES)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=1, top_p=1.0),
+                                      dict(temperature=0.9, top_k=0, top_p=1e-6)], ids=["greedy", "top_k1", "top_p0"])
+def test_engines_answer_as_unbatched_greedy_generate(lively, reference, setting, sampling):
+    """Left padding, batches of 3 (the last one short), refilled batches (answers continued over several
+    generate calls), the static cache and the continuous batcher change no greedy answer (fp32). Sampling
+    with top_k = 1 or a tiny top_p must pick the greedy token too: the sampling settings reach each engine."""
+    engine, refill = ENGINES[setting]
+    eos, expected = reference
+    gen = dict(gen_params(max_tokens=12, hf_batch_size=3, seed=0, hf_refill=refill), **sampling)
+    assert _engine_answers(lively, engine, gen, eos) == expected
+
+
+@pytest.mark.parametrize("setting", ["generate_refill", "continuous"])
+def test_n_samples_per_prompt_get_distinct_ids_and_resume_without_duplicates(lively_path, tmp_path, setting):
+    from eqc_utils.generation import generate_hf
+    engine, refill = ENGINES[setting]
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "teacher.jsonl"
+    gen = gen_params(max_tokens=6, hf_batch_size=4, n=3, seed=0, hf_engine=engine, hf_refill=refill)
+    expected = sorted(sample_id(f"q{i:03d}", k) for i in range(3) for k in range(3))
+    stats = generate_hf(lively_path, prompts, out, gen, device="cpu")
+    rows = read_rows(out)
+    assert stats.new_rows == 9 and stats.engine == engine and sorted(r["id"] for r in rows) == expected
+    for row in rows:
+        assert set(row) == OUTPUT_KEYS and sample_id(row["prompt_id"], row["sample"]) == row["id"]
+    assert len({r["response"] for r in rows if r["prompt_id"] == "q000"}) == 3, "samples of a prompt must differ"
+
+    # as a run killed after 4 rows, in the middle of writing the 5th, leaves it
+    partial_path(out).write_text("".join(json.dumps(r) + "\n" for r in rows[:4]) + '{"id": "q002#s1", "respo')
+    out.unlink()
+    again = generate_hf(lively_path, prompts, out, gen, device="cpu")
+    resumed = read_rows(out)
+    assert again.already_done == 4 and again.new_rows == 5
+    assert sorted(r["id"] for r in resumed) == expected and resumed[:4] == rows[:4]

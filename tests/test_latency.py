@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from eqc_utils.evaluation import acceptance, latency
+from eqc_utils.serving import metrics
 from eqc_utils.evaluation.latency import Bucket
 from tests._fixtures_generation import micro_model, needs_vllm
 
@@ -43,26 +44,26 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="Qwen/Q
 
 
 def test_prometheus_text_is_parsed_with_labels():
-    samples = acceptance.parse_prometheus(METRICS_BEFORE)
+    samples = metrics.parse_prometheus(METRICS_BEFORE)
     assert len(samples) == 9, "comments skipped, every sample kept"
     quoted = [s for s in samples if s.name == "vllm:num_requests_running"][0]
     assert quoted.labels == {"engine": "0", "model_name": 'a "quoted" {name}'}
     assert math.isnan([s for s in samples if s.name == "vllm:prompt_tokens_total"][0].value)
-    after = acceptance.parse_prometheus(METRICS_AFTER)
-    assert acceptance.metric_total(after, acceptance.DRAFTS) == 110.0, "summed over engines, timestamp ignored"
+    after = metrics.parse_prometheus(METRICS_AFTER)
+    assert metrics.metric_total(after, metrics.DRAFTS) == 110.0, "summed over engines, timestamp ignored"
 
 
 def test_tau_and_per_position_rates_from_counter_deltas():
-    result = acceptance.acceptance_between(METRICS_BEFORE, METRICS_AFTER)
+    result = metrics.acceptance_between(METRICS_BEFORE, METRICS_AFTER)
     assert result["drafts"] == 100 and result["draft_tokens"] == 1500 and result["accepted"] == 250
     assert result["tau"] == pytest.approx(3.5)
     assert result["acceptance_rate"] == pytest.approx(250 / 1500)
     assert result["per_position"] == pytest.approx([0.9, 1.0, 0.6])
     assert 1 + sum(result["per_position"]) == pytest.approx(result["tau"]), "tau = 1 + sum of position rates"
-    idle = acceptance.acceptance_between(METRICS_AFTER, METRICS_AFTER)
+    idle = metrics.acceptance_between(METRICS_AFTER, METRICS_AFTER)
     assert idle["tau"] is None and idle["per_position"] == []
-    counters = acceptance.SpecCounters.from_text(METRICS_AFTER).as_dict()
-    assert counters[acceptance.ACCEPTED] == 290.0
+    counters = metrics.SpecCounters.from_text(METRICS_AFTER).as_dict()
+    assert counters[metrics.ACCEPTED] == 290.0
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +170,17 @@ def test_latency_command_line(server, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert set(result["servers"]) == {"ar", "spec"} and result["speedup"]["spec"]["medium"]["latency"] > 0
     assert "speedup spec" in capsys.readouterr().out
+
+
+@needs_vllm
+def test_alternating_requests_time_every_server_on_every_prompt(server, tokenizer):
+    sizes = latency.buckets([16, 64], [4, 4])
+    prompts = latency.build_prompts(tokenizer, sizes, n_runs=3, n_warmup=1)
+    timings = latency.measure_alternating({"a": server.url, "b": server.url}, prompts)
+    for name in ("a", "b"):
+        for bucket in sizes:
+            summary = timings[name][bucket.name]
+            assert summary["n_ok"] == 3 and [r["prompt_tokens"] for r in summary["runs"]] == [bucket.prompt_tokens] * 3
+            assert summary["median_latency_ms"] > 0
+    result = latency.report(timings, prompts)
+    assert result["baseline"] == "a" and result["speedup"]["b"]["short"]["latency"] > 0

@@ -87,3 +87,18 @@ def test_masked_packs_score_exactly_the_answers(tokenizer):
     n_real = plain["meta"]["train"]["tokens"]
     assert plain["train"]["weights"].reshape(-1)[:n_real].eq(1).all()
     assert plain["train"]["weights"].reshape(-1)[n_real:].eq(0).all()
+
+
+def test_validation_split_is_by_prompt():
+    from eqc_utils.quant.packing import split_rows
+    rows = list(range(12))
+    keys = [f"p{i // 3}" for i in rows]                 # 4 prompts x 3 samples
+    train, val = split_rows(rows, 0.25, seed=0, keys=keys)
+    assert len(val) == 3 and len({keys[i] for i in val}) == 1
+    assert not {keys[i] for i in val} & {keys[i] for i in train} and sorted(train + val) == rows
+    # one row per prompt: the row split as before (same seed, same validation rows)
+    assert split_rows(rows, 0.25, seed=0) == split_rows(rows, 0.25, seed=0, keys=[f"k{i}" for i in rows])
+    import random
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    assert split_rows(rows, 0.25, seed=0)[1] == order[:3]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from eqc_utils.generation import prompt_id_of
+
 
 @dataclass
 class Example:
@@ -90,13 +92,18 @@ def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, ran
 
 
 def split_heldout(rows: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows): the `heldout` rows with the smallest md5 of their id are kept out
-    of training and serve as the prompts on which acceptance is measured. Chosen by id, not by file
-    position: the generators write rows in completion order (vLLM) or prompt-length order
+    """(training rows, held-out rows): the `heldout` prompts with the smallest md5 of their prompt id are
+    kept out of training and serve as the prompts on which acceptance is measured, one row each; the
+    other samples of those prompts (generation.n > 1) are dropped from training too. Chosen by id, not
+    by file position: the generators write rows in completion order (vLLM) or prompt-length order
     (transformers), so "the last rows" would be a biased sample, e.g. the longest prompts."""
-    if heldout >= len(rows):
-        raise ValueError(f"drafter.heldout_prompts={heldout} leaves no training data out of {len(rows)} rows")
-    keys = [hashlib.md5(str(row.get("id", i)).encode()).hexdigest() for i, row in enumerate(rows)]
-    chosen = set(sorted(range(len(rows)), key=keys.__getitem__)[:heldout])
-    return ([row for i, row in enumerate(rows) if i not in chosen],
-            [row for i, row in enumerate(rows) if i in chosen])
+    prompts = {}
+    for i, row in enumerate(rows):
+        prompts.setdefault(str(prompt_id_of(row) if prompt_id_of(row) is not None else i), []).append(i)
+    if heldout >= len(prompts):
+        raise ValueError(f"drafter.heldout_prompts={heldout} leaves no training data out of {len(prompts)} prompts")
+    chosen = sorted(prompts, key=lambda key: hashlib.md5(key.encode()).hexdigest())[:heldout]
+    out = {i for key in chosen for i in prompts[key]}
+    first = {prompts[key][0] for key in chosen}
+    return ([row for i, row in enumerate(rows) if i not in out],
+            [row for i, row in enumerate(rows) if i in first])

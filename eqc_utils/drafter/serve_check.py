@@ -23,7 +23,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draf
 
 def spec_counters(base_url: str) -> dict[str, float]:
     """Sums of vLLM's speculative-decoding counters over all label sets (0 when absent)."""
-    from eqc_utils.evaluation.acceptance import read_counters
+    from eqc_utils.serving.metrics import read_counters
     return read_counters(base_url).as_dict()
 
 

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from eqc_utils.evaluation.acceptance import (SpecCounters, acceptance_summary, read_counters, server_root,
-                                             served_model)
+from eqc_utils.evaluation.acceptance import served_model
+from eqc_utils.serving.metrics import SpecCounters, acceptance_summary, read_counters, server_root
 from eqc_utils.evaluation.documents import long_documents, token_windows
 
 
@@ -220,6 +220,44 @@ def measure_server(url: str, prompts: Mapping, *, model: str | None = None, time
     return {b["name"]: measure_bucket(url, Bucket(**b), prompts["measured"][b["name"]], prompts["warmup"][b["name"]],
                                       model=model, timeout=timeout)
             for b in prompts["buckets"]}
+
+
+def measure_alternating(urls: Mapping[str, str], prompts: Mapping, *, timeout: float = 600.0) -> dict:
+    """Two or more running servers measured request by request in turn, on the same prompt each round
+    (the order of the servers reversed every other round), so that a change in background load
+    affects all of them alike: on a shared machine, timing one server after the other measures the
+    load as much as the servers. {server name: {bucket name: summary}}, as `measure_server` gives."""
+    import httpx
+
+    models = {name: served_model(url) for name, url in urls.items()}
+    out: dict[str, dict] = {name: {} for name in urls}
+    with httpx.Client(timeout=timeout) as client:
+        for b in prompts["buckets"]:
+            bucket = Bucket(**b)
+            runs = {name: [] for name in urls}
+            failures = {name: [] for name in urls}
+            for prompt in prompts["warmup"][bucket.name]:
+                for name, url in urls.items():
+                    try:
+                        stream_completion(client, url, models[name], prompt, bucket.max_tokens)
+                    except (httpx.HTTPError, RequestFailed):
+                        pass
+            before = {name: _counters(url) for name, url in urls.items()}
+            for i, prompt in enumerate(prompts["measured"][bucket.name]):
+                order = list(urls) if i % 2 == 0 else list(urls)[::-1]
+                for name in order:
+                    try:
+                        runs[name].append(stream_completion(client, urls[name], models[name], prompt,
+                                                            bucket.max_tokens))
+                    except (httpx.HTTPError, RequestFailed) as err:
+                        failures[name].append(str(err))
+            for name, url in urls.items():
+                summary = summarize(runs[name], failures[name], bucket)
+                after = _counters(url) if before[name] is not None else None
+                if after is not None and (after - before[name]).drafts > 0:
+                    summary["acceptance"] = acceptance_summary(after - before[name])
+                out[name][bucket.name] = summary
+    return out
 
 
 def speedups(baseline: Mapping, candidate: Mapping) -> dict:

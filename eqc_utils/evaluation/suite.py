@@ -83,19 +83,59 @@ def run_server(name: str, spec: Mapping, E: Mapping, out_dir: str | Path, latenc
     with ProxyProcess(spec["config"], overrides=spec["overrides"], log_path=out_dir / "logs" / f"proxy_{name}.log",
                       ready_timeout=E["startup_timeout"]) as proxy:
         if spec["gates"]:
-            result["gates"] = gates.run_gates(
-                proxy.url, tasks=E["gates"], limit=E["gate_limit"], out_dir=out_dir / "gates" / name,
-                source=E["gate_source"], mmlu_pro_file=E["mmlu_pro_file"], max_gen_toks=E["max_gen_toks"],
-                num_concurrent=E["num_concurrent"], seed=E["gate_seed"])
+            result["gates"] = _gates(proxy.url, name, E, out_dir)
         if spec["latency"]:
             result["latency"] = latency.measure_server(proxy.url, latency_prompts)
         if spec["acceptance"]:
-            result["acceptance"] = acceptance.mean_acceptance_length(
-                proxy.url, datasets=E["acceptance_datasets"], n_prompts=E["acceptance_prompts"],
-                max_tokens=E["acceptance_max_tokens"], tokenizer=tokenizer,
-                context_tokens=E["acceptance_context_tokens"])
+            result["acceptance"] = _acceptance(proxy.url, E, tokenizer)
     io.write_json(result_path, result)
     return result
+
+
+def run_side_by_side(plan: Mapping[str, Mapping], E: Mapping, out_dir: str | Path, latency_prompts: Mapping,
+                     tokenizer=None) -> dict[str, dict]:
+    """Target and final stack served at the same time (`eval.latency_side_by_side`): gates on each in
+    turn, then latency request by request in alternation (`latency.measure_alternating`), so that both
+    see the same background load; acceptance on the final stack. Saved per server as `run_server`
+    saves, and reused while both keys match."""
+    from contextlib import ExitStack
+    from eqc_utils.serving.proxy import ProxyProcess
+
+    out_dir = Path(out_dir)
+    names = ("target", "final")
+    keys = {name: result_key(plan[name], {**E, "side_by_side": True}) for name in names}
+    saved = {name: out_dir / "servers" / f"{name}.json" for name in names}
+    if all(saved[n].exists() and io.read_json(saved[n]).get("key") == keys[n] for n in names):
+        print("target, final: results of an identical earlier run reused")
+        return {name: io.read_json(saved[name]) for name in names}
+    results = {name: {"name": name, "key": keys[name], "config": str(plan[name]["config"]),
+                      "overrides": dict(plan[name]["overrides"]), "side_by_side": True} for name in names}
+    with ExitStack() as stack:
+        proxies = {name: stack.enter_context(ProxyProcess(
+            plan[name]["config"], overrides=plan[name]["overrides"], log_path=out_dir / "logs" / f"proxy_{name}.log",
+            ready_timeout=E["startup_timeout"])) for name in names}
+        for name in names:
+            if plan[name]["gates"]:
+                results[name]["gates"] = _gates(proxies[name].url, name, E, out_dir)
+        timings = latency.measure_alternating({n: proxies[n].url for n in names}, latency_prompts)
+        for name in names:
+            results[name]["latency"] = timings[name]
+        results["final"]["acceptance"] = _acceptance(proxies["final"].url, E, tokenizer)
+    for name in names:
+        io.write_json(saved[name], results[name])
+    return results
+
+
+def _gates(url: str, name: str, E: Mapping, out_dir: Path) -> dict:
+    return gates.run_gates(url, tasks=E["gates"], limit=E["gate_limit"], out_dir=out_dir / "gates" / name,
+                           source=E["gate_source"], mmlu_pro_file=E["mmlu_pro_file"], max_gen_toks=E["max_gen_toks"],
+                           num_concurrent=E["num_concurrent"], seed=E["gate_seed"])
+
+
+def _acceptance(url: str, E: Mapping, tokenizer) -> dict:
+    return acceptance.mean_acceptance_length(url, datasets=E["acceptance_datasets"], n_prompts=E["acceptance_prompts"],
+                                             max_tokens=E["acceptance_max_tokens"], tokenizer=tokenizer,
+                                             context_tokens=E["acceptance_context_tokens"])
 
 
 def run_reference(E: Mapping, out_dir: str | Path, *, teacher_dir: str | Path | None, target_dir: str | Path,

@@ -21,6 +21,8 @@ import random
 
 import torch
 
+from eqc_utils.generation import prompt_id_of
+
 ROLES = {"system", "user", "assistant"}
 
 
@@ -62,11 +64,21 @@ def render_tokens(conv: list[dict], tokenizer) -> tuple[list[int], int]:
     return prompt_ids + answer_ids, len(prompt_ids)
 
 
-def split_rows(rows: list, val_ratio: float, seed: int) -> tuple[list, list]:
-    order = list(range(len(rows)))
+def split_rows(rows: list, val_ratio: float, seed: int, keys: list | None = None) -> tuple[list, list]:
+    """(train, val). With `keys` (the prompt each row answers), the split is by prompt: every sample of
+    a prompt lands on the same side, so validation never scores answers to prompts seen in training.
+    With one row per key this is the row split it always was (same seed, same rows)."""
+    keys = list(range(len(rows))) if keys is None else keys
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    members = list(groups.values())
+    order = list(range(len(members)))
     random.Random(seed).shuffle(order)
-    n_val = max(1, int(round(len(rows) * val_ratio))) if val_ratio > 0 and len(rows) > 1 else 0
-    return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+    n_val = max(1, int(round(len(members) * val_ratio))) if val_ratio > 0 and len(members) > 1 else 0
+    def rows_of(chosen):
+        return [rows[i] for g in chosen for i in members[g]]
+    return rows_of(order[n_val:]), rows_of(order[:n_val])
 
 
 def pack_documents(docs: list[tuple[list[int], int]], max_seq_len: int, sep_id: int, pad_id: int,
@@ -107,7 +119,7 @@ def build_packs(rows: list[dict], tokenizer, max_seq_len: int, val_ratio: float,
     """{"train": {input_ids, weights}, "val": {...}, "meta": {...}} from teacher rows."""
     wheres = [f"{source} row {i + 1} (id {row.get('id')})" for i, row in enumerate(rows)]
     convs = [(where, check_row(row, where)) for where, row in zip(wheres, rows)]
-    train_rows, val_rows = split_rows(convs, val_ratio, seed)
+    train_rows, val_rows = split_rows(convs, val_ratio, seed, keys=[prompt_id_of(row) for row in rows])
     sep_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sep_id
     packs, meta = {}, {"max_seq_len": max_seq_len, "val_ratio": val_ratio, "shuffle_seed": seed,
