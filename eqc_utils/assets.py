@@ -1,4 +1,4 @@
-"""Real models and data without a model hub (docs/assets.md).
+"""Real models and data without a model hub (docs/models_and_data.md).
 
 Everything here is built on first use from installed PyPI packages and cached under runs/_assets/
 (EQC_ASSETS_DIR), never by hand:

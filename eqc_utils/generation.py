@@ -1,4 +1,4 @@
-"""Answer a prompts JSONL with a chat model: the paper's data generator (docs/method.md §1.4–1.5).
+"""Answer a prompts JSONL with a chat model: the paper's data generator (docs/recipe.md §1.4–1.5).
 
 Two backends write the same rows with the same resume semantics:
   * `vllm` (default): `vllm serve` processes started by `eqc_utils.serving.launcher`, queried by an
@@ -56,7 +56,7 @@ ROLE_ALIASES = {"human": "user", "user": "user", "system": "system", "gpt": "ass
 
 # ---------------------------------------------------------------- rows in, rows out
 def request_messages(row: dict, where: str) -> list[dict]:
-    """The messages to send for one prompt row (docs/method.md §1.5 step 2); ValueError names `where`."""
+    """The messages to send for one prompt row (docs/recipe.md §1.5 step 2); ValueError names `where`."""
     turns = row.get("conversations", row.get("messages"))
     if not isinstance(turns, list):
         raise ValueError(f"{where}: prompt row has no 'conversations' (or 'messages') list")
@@ -110,7 +110,7 @@ def _rows_with_lines(path: Path) -> Iterable[tuple[int, dict]]:
 
 
 def reconstruct_text(content: str | None, reasoning: str | None, thinking: str, include_reasoning: bool) -> str:
-    """The stored response (docs/method.md §1.5 step 8): re-join server-split reasoning as <think>…</think>."""
+    """The stored response (docs/recipe.md §1.5 step 8): re-join server-split reasoning as <think>…</think>."""
     content = (content or "").strip()
     reasoning = (reasoning or "").strip()
     if thinking == "off":
@@ -498,7 +498,7 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
 
 
 async def _warn_unreachable(clients: dict, endpoints: Endpoints) -> None:
-    """List models on each endpoint first (docs/method.md §1.5 step 4): warn, and rest a dead one."""
+    """List models on each endpoint first (docs/recipe.md §1.5 step 4): warn, and rest a dead one."""
     import openai
     for url, client in clients.items():
         try:

@@ -1,4 +1,4 @@
-"""Stage-1 and stage-2 prompt sets (docs/method.md §1.1–1.3).
+"""Stage-1 and stage-2 prompt sets (docs/recipe.md §1.1–1.3).
 
 Paper profile: stage 1 is rebuilt from a uuid manifest against the Nemotron-Post-Training-v2 parquet
 shards; stage 2 is a fresh deterministic draw by the sampler. Tiny/small profiles run the same sampler

@@ -41,12 +41,12 @@ show_progress() {
 }
 
 collect() {  # metrics, logs, figures and reports; weights and partial files stay behind
-  local out=$1
-  mkdir -p "$out"
-  tar czf "$out/results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.partial' \
+  local dest=$1
+  mkdir -p "$dest"
+  tar czf "$dest/results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.partial' \
     runs/"$profile"/*/*.json runs/"$profile"/*/*/*.json runs/"$profile"/*/*.jsonl runs/"$profile"/*/*.png \
     runs/"$profile"/*/params.resolved.yaml runs/_figures "$LOGS" reports/"$profile" 2>/dev/null
-  ls -la "$out/results.tar.gz"
+  ls -la "$dest/results.tar.gz"
 }
 
 case "${1:-}" in

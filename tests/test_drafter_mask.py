@@ -5,7 +5,7 @@ from eqc_utils.drafter.mask import dense_block_mask, flex_available, flex_block_
 
 
 def brute_force_mask(anchors, valid, context_len, block_size):
-    """The rule of docs/method.md §3.2 step 4 written as nested loops."""
+    """The rule of docs/recipe.md §3.2 step 4 written as nested loops."""
     batch, n = anchors.shape
     q_len = n * block_size
     mask = torch.zeros(batch, 1, q_len, context_len + q_len, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Conversations -> token ids + assistant loss mask for drafter training (docs/method.md §3.3), and batches.
+"""Conversations -> token ids + assistant loss mask for drafter training (docs/recipe.md §3.3), and batches.
 
 A row is one generated conversation (`conversations`: system, user, assistant). It is rendered with
 the tokenizer's own chat template; the loss covers the final assistant turn (everything after the

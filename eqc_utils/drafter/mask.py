@@ -1,4 +1,4 @@
-"""The anchor-strict attention mask of DFlash training (docs/method.md §3.2 step 4), in one definition.
+"""The anchor-strict attention mask of DFlash training (docs/recipe.md §3.2 step 4), in one definition.
 
 Queries are the N blocks of one sequence laid side by side ([block_0 | ... | block_{N-1}], B tokens
 each); keys are the sequence's S context positions followed by the same blocks. A query of block n

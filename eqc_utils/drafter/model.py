@@ -1,4 +1,4 @@
-"""The DFlash draft model (docs/method.md §3.1): a few Qwen3 decoder layers that fill a block of mask tokens
+"""The DFlash draft model (docs/recipe.md §3.1): a few Qwen3 decoder layers that fill a block of mask tokens
 in one pass, conditioned on hidden states of the frozen target.
 
 What makes it DFlash rather than a small LM:

@@ -1,4 +1,4 @@
-"""The DFlash training objective (docs/method.md §3.2): anchors, block inputs, labels, weights, loss.
+"""The DFlash training objective (docs/recipe.md §3.2): anchors, block inputs, labels, weights, loss.
 
 Per sequence, up to `num_anchors` anchor positions are drawn uniformly among assistant positions p
 with p + block_size <= length (the whole block lies inside the sequence). Block n is

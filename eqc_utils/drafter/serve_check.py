@@ -8,7 +8,7 @@ round differently, so a divergence where plain decoding was nearly tied (top-1 m
 below `near_tie_margin` nats at the first differing token) is accepted as numerics; any other is a
 mismatch. vLLM's mean acceptance length comes from its Prometheus counters, 1 + accepted / drafts,
 read before and after the prompts (the server is idle otherwise), as in the reference's MAL protocol
-(docs/method.md §5.3).
+(docs/recipe.md §5.3).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training a DFlash drafter against a frozen target (docs/method.md §3.2-3.4), top to bottom:
+"""Training a DFlash drafter against a frozen target (docs/recipe.md §3.2-3.4), top to bottom:
 config -> data -> target -> drafter -> optimiser -> loop (with checkpoints and resume).
 
 One function serves the three runs of the paper's stage 3; only its inputs differ:

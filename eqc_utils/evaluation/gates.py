@@ -1,5 +1,5 @@
 """Quality gates: MMLU-Pro, IFEval and GPQA-Diamond, scored by lm-eval against an OpenAI-compatible
-server (the eqc proxy or `vllm serve` itself). See docs/evaluation.md and docs/method.md §5.1.
+server (the eqc proxy or `vllm serve` itself). See docs/evaluation.md and docs/recipe.md §5.1.
 
 | gate | lm-eval task (the paper's) | metric | paper threshold | thinking |
 |---|---|---|---|---|

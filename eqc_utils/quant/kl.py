@@ -1,4 +1,4 @@
-"""The QAD loss: forward KL(teacher || student) per token at temperature T (docs/method.md §2.4).
+"""The QAD loss: forward KL(teacher || student) per token at temperature T (docs/recipe.md §2.4).
 
 Both models see the same tokens, so position i of the student is compared with position i of the
 teacher (no label shift). The per-token value is sum_v p_t(v) (log p_t(v) - log p_s(v)) on

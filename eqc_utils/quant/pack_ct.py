@@ -1,6 +1,6 @@
 """Ship the grid: compressed-tensors `pack-quantized` W4A16 (what vLLM loads) + the dense twin.
 
-Per quantised Linear `M` (docs/method.md §2.8): `M.weight_packed` int32 [out, in/8] packed by
+Per quantised Linear `M` (docs/recipe.md §2.8): `M.weight_packed` int32 [out, in/8] packed by
 compressed-tensors' own `pack_to_int32` from the codes of `grid.grid_codes` (the quantiser's own
 expression, never re-derived scales), `M.weight_scale` [out, in/group] = amax / 7 in the scale
 dtype, `M.weight_shape` int64 [out, in]; no zero point (symmetric). Every other parameter passes

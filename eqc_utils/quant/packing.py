@@ -1,5 +1,5 @@
 """QAD training data: teacher conversations rendered with the chat template and packed into
-fixed-length chunks (docs/method.md §2.5).
+fixed-length chunks (docs/recipe.md §2.5).
 
 Rows are split into train/validation at the source-row level before tokenising; each conversation
 is rendered with the tokenizer's chat template (to a string, then tokenised without special

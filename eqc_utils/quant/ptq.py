@@ -1,4 +1,4 @@
-"""The INT4 init: where the grid comes from, and the student built on it (docs/method.md §2.1-2.3).
+"""The INT4 init: where the grid comes from, and the student built on it (docs/recipe.md §2.1-2.3).
 
 Two sources, chosen by `quant.init`, both ending in a compressed-tensors INT4 pack:
 - "awq": real post-training quantisation of the teacher with nvidia-modelopt's AWQ clip search

@@ -1,4 +1,4 @@
-"""Quantisation-aware distillation of the INT4 target (docs/method.md §2.3-2.7), top to bottom:
+"""Quantisation-aware distillation of the INT4 target (docs/recipe.md §2.3-2.7), top to bottom:
 
     prepare_qad   teacher JSONL -> packed chunks; the INT4 init pack (AWQ PTQ, or a published pack)
     train_qad     student on the pinned grid + start gate + AdamW/cosine loop with held-out KL and

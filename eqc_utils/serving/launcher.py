@@ -12,7 +12,7 @@
 Each server is its own process group (so stopping it also stops vLLM's engine-core children),
 logs to one file per server, and runs on one GPU (CUDA_VISIBLE_DEVICES=i) or, without CUDA, on the
 CPU with `--enforce-eager` and a small KV cache. Readiness is a real one-token completion, not
-`/health` alone: vLLM answers `/health` before the engine can serve (docs/method.md §1.4). Servers are
+`/health` alone: vLLM answers `/health` before the engine can serve (docs/recipe.md §1.4). Servers are
 stopped (SIGTERM to the group, then SIGKILL) on `stop()`, on leaving the `with` block by any route
 including Ctrl-C, at interpreter exit, and by the kernel if this process dies (parent-death signal).
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 LOG_TAIL_LINES = 40
-STAGGER_SECONDS = 4.0       # between GPU servers: simultaneous loads were seen to collide (docs/method.md §1.4)
+STAGGER_SECONDS = 4.0       # between GPU servers: simultaneous loads were seen to collide (docs/recipe.md §1.4)
 _LIVE: "set[VLLMServers]" = set()     # strong references: a server nobody holds still gets stopped at exit
 
 
