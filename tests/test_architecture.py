@@ -3,26 +3,31 @@ library -> io/paths; no import cycles). Run `.venv/bin/lint-imports` for the ful
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from eqc_utils.paths import REPO_ROOT
 
 
-def test_import_contracts_hold(capsys):
-    from importlinter.cli import lint_imports
-    cwd = os.getcwd()
-    os.chdir(REPO_ROOT)       # import-linter finds the package from the current folder
-    try:
-        status = lint_imports(config_filename=str(REPO_ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
-    finally:
-        os.chdir(cwd)
-    report = capsys.readouterr().out
+def lint_imports(folder, config) -> tuple[int, str]:
+    """import-linter in a child process: it configures logging globally, which would silence the
+    log-capturing tests that run after it in this process."""
+    env = {**os.environ, "PYTHONPATH": str(folder)}
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            f"sys.exit(lint_imports(config_filename={str(config)!r}, no_cache=True, no_logo=True))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_import_contracts_hold():
+    status, report = lint_imports(REPO_ROOT, REPO_ROOT / "pyproject.toml")
     assert status == 0, report
     assert "KEPT" in report and "BROKEN" not in report
 
 
-def test_a_broken_layer_is_caught(tmp_path, capsys):
+def test_a_broken_layer_is_caught(tmp_path):
     """The contract can fail: a stage-level module importing the runner breaks it."""
-    from importlinter.cli import lint_imports
     package = tmp_path / "eqc_utils"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -31,24 +36,8 @@ def test_a_broken_layer_is_caught(tmp_path, capsys):
     config = tmp_path / "pyproject.toml"
     config.write_text('[tool.importlinter]\nroot_package = "eqc_utils"\n[[tool.importlinter.contracts]]\n'
                       'name = "layers"\ntype = "layers"\nlayers = ["eqc_utils.pipeline", "eqc_utils.stage"]\n')
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        import sys
-        sys.path.insert(0, str(tmp_path))
-        saved = {k: v for k, v in sys.modules.items() if k == "eqc_utils" or k.startswith("eqc_utils.")}
-        for k in saved:
-            del sys.modules[k]
-        try:
-            status = lint_imports(config_filename=str(config), no_cache=True, no_logo=True)
-        finally:
-            sys.path.remove(str(tmp_path))
-            for k in [k for k in sys.modules if k == "eqc_utils" or k.startswith("eqc_utils.")]:
-                del sys.modules[k]
-            sys.modules.update(saved)
-    finally:
-        os.chdir(cwd)
-    assert status == 1 and "BROKEN" in capsys.readouterr().out
+    status, report = lint_imports(tmp_path, config)
+    assert status == 1 and "BROKEN" in report, report
 
 
 WORKPLACE_WORDS = r"lendable|device call|\$OUT|carry limit|engineers' jobs|METHOD\.md|ASSETS\.md"
