@@ -75,3 +75,25 @@ def group_alive(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
+
+
+def micro_dflash_config(folder: Path, max_model_len: int = 1024, **extra) -> tuple[Path, Path]:
+    """A serve config (folder/micro.yaml) for the micro Llama with a random-weight DFlash drafter
+    (3 speculative tokens): vLLM drafts and counts, the drafts are almost never accepted.
+    Returns (config path, model folder)."""
+    import torch
+    import yaml
+    from transformers import AutoConfig
+    from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, save_drafter
+
+    model = micro_model(folder)
+    drafter = drafter_config_for(AutoConfig.from_pretrained(model), num_layers=1, block_size=4, target_layer_ids=[1],
+                                 mask_token_id=16)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(drafter), folder / "drafter")
+    config = folder / "micro.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model), "served_model_name": "micro", "device": "cpu", "startup_timeout": 500,
+        "vllm_args": {"max_model_len": max_model_len, "max_num_seqs": 4}, **extra,
+        "speculative_config": {"method": "dflash", "model": str(folder / "drafter"), "num_speculative_tokens": 3}}))
+    return config, model

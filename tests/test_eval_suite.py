@@ -11,7 +11,7 @@ import yaml
 from eqc_utils import pipeline
 from eqc_utils.evaluation import gates, plots, suite
 from eqc_utils.params import load_params
-from tests._fixtures_generation import micro_model, needs_vllm
+from tests._fixtures_generation import micro_dflash_config, needs_vllm
 
 E = load_params("tiny")["eval"]
 
@@ -148,22 +148,7 @@ def test_a_changed_serve_config_invalidates_stage_09(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def speculative_config(tmp_path_factory):
     """A micro Llama with a random-weight DFlash drafter (3 speculative tokens) as a serve config."""
-    import torch
-    from transformers import AutoConfig
-    from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, save_drafter
-
-    folder = tmp_path_factory.mktemp("suite")
-    model = micro_model(folder)
-    drafter = drafter_config_for(AutoConfig.from_pretrained(model), num_layers=1, block_size=4, target_layer_ids=[1],
-                                 mask_token_id=16)
-    torch.manual_seed(0)
-    save_drafter(DFlashDrafter(drafter), folder / "drafter")
-    config = folder / "micro.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": str(model), "served_model_name": "micro", "device": "cpu", "startup_timeout": 500,
-        "vllm_args": {"max_model_len": 2048, "max_num_seqs": 4},
-        "speculative_config": {"method": "dflash", "model": str(folder / "drafter"), "num_speculative_tokens": 3}}))
-    return config, model
+    return micro_dflash_config(tmp_path_factory.mktemp("suite"), 2048)
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ import torch
 from eqc_utils.drafter.decode import (DFlashProposer, DraftFn, TargetSession, greedy_generate, measure_acceptance,
                                       speculative_generate)
 from eqc_utils.drafter.fast_decode import (FastSpeculativeDecoder, StaticDFlashProposer, StaticTarget, cache_len_for,
-                                           fast_greedy_generate, fast_speculative_generate, measure_acceptance_fast)
+                                           UnsupportedTargetError, fast_greedy_generate, fast_speculative_generate,
+                                           measure_acceptance_fast)
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for
 from tests._fixtures_drafter import (chain_target_dir, load_causal_lm, micro_llama_dir,  # noqa: F401
                                      micro_qwen35_dir, tokenizer)
@@ -261,12 +262,12 @@ def test_static_drafter_drafts_like_the_draft_cache(window, chain_target_dir):
 def test_recurrent_target_is_refused_with_a_pointer(micro_qwen35_dir):
     target = load_causal_lm(micro_qwen35_dir)
     message = r"qwen3_5_text.*recurrent.*decode\.speculative_generate"
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(UnsupportedTargetError, match=message):
         StaticTarget(target, 64)
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(UnsupportedTargetError, match=message):
         fast_greedy_generate(target, PROMPT, 4)
     oracle = CorruptedOracle([0] * 20, len(PROMPT), 4, target.config.vocab_size)
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(UnsupportedTargetError, match=message):
         measure_acceptance_fast(target, oracle, [PROMPT], 4, progress=False)
 
 

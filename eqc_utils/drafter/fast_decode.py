@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from eqc_utils.drafter.decode import (AcceptanceReport, DFlashProposer, DraftFn, GenerationStats, _pick, _probs,
-                                      rejection_accept)
+                                      greedy_loop, rejection_accept)
 from eqc_utils.drafter.features import input_embedding, output_head
 from eqc_utils.drafter.model import DFlashDrafter
 
@@ -51,6 +51,10 @@ def cache_len_for(prompt_len: int, max_new_tokens: int, block_size: int = 1) -> 
     return -(-need // CACHE_ROUND) * CACHE_ROUND
 
 
+class UnsupportedTargetError(ValueError):
+    """The target is not an attention-only decoder this module can run (use decode.py for it)."""
+
+
 def check_supported(target: nn.Module) -> None:
     """Raise (naming the model type) unless `target` is an attention-only decoder this module can run."""
     cfg = target.config.get_text_config(decoder=True)
@@ -58,12 +62,12 @@ def check_supported(target: nn.Module) -> None:
     layer_types = list(getattr(cfg, "layer_types", None) or [])
     recurrent = sorted({t for t in layer_types if "attention" not in t or t.startswith("linear")})
     if recurrent:
-        raise NotImplementedError(
+        raise UnsupportedTargetError(
             f"fast_decode: the target ({kind}) has recurrent layers ({', '.join(recurrent)}), whose state a static "
             "KV cache cannot roll back; use eqc_utils.drafter.decode.speculative_generate / greedy_generate "
             "(DynamicCache with state snapshots) for it")
     if kind not in SUPPORTED_MODEL_TYPES or any(t != "full_attention" for t in layer_types):
-        raise NotImplementedError(
+        raise UnsupportedTargetError(
             f"fast_decode: supports attention-only {'/'.join(SUPPORTED_MODEL_TYPES)} targets with full attention in "
             f"every layer, not {kind} (layer types {sorted(set(layer_types)) or 'unset'}); use "
             "eqc_utils.drafter.decode.speculative_generate")
@@ -340,16 +344,7 @@ def fast_greedy_generate(target: nn.Module | StaticTarget, prompt_ids: list[int]
     cache and compiled graphs across calls; an nn.Module gets a fresh one sized for this call."""
     session = _static_target(target, len(prompt_ids), max_new_tokens, compile=compile)
     session.reset()
-    started = time.perf_counter()
-    logits, _ = session.forward(torch.tensor([prompt_ids], device=session.device))
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        token = _pick(logits[0, -1], temperature, generator)
-        out.append(token)
-        if token in stop_ids or len(out) == max_new_tokens:
-            break
-        logits, _ = session.forward(torch.tensor([[token]], device=session.device))
-    return GenerationStats(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
+    return greedy_loop(session, prompt_ids, max_new_tokens, stop_ids, temperature, generator, session.device)
 
 
 def fast_speculative_generate(target: nn.Module | StaticTarget, proposer: DraftFn, prompt_ids: list[int],
