@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eqc_utils import generation_hf
+from eqc_utils.generation import hf as generation_hf
 from eqc_utils.generation import Job, generate_hf, load_prompts
-from eqc_utils.generation_hf import Sequence, eos_token_ids, render_prompt, run_batches, run_continuous
+from eqc_utils.generation.hf import Sequence, eos_token_ids, render_prompt, run_batches, run_continuous
 from eqc_utils.params import load_params
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -12,8 +12,10 @@ import time
 
 import pytest
 
-from eqc_utils.generation import (generate, load_prompts, output_row, partial_path, prompt_id_of, reconstruct_text,
-                                  request_messages, failures_path, sample_id, samples_per_prompt, sampling_params)
+from eqc_utils.generation import generate
+from eqc_utils.generation.rows import (failures_path, load_prompts, output_row, partial_path, prompt_id_of,
+                                       reconstruct_text, request_messages, sample_id, samples_per_prompt,
+                                       sampling_params)
 from eqc_utils.serving.launcher import VLLMServers, free_port
 from tests._fixtures_generation import (SERVER_ARGS, gen_params, lively_micro_model, micro_model, needs_vllm, read_rows,
                                         write_prompts)
@@ -294,7 +296,7 @@ def lively(lively_path):
 
 def _unbatched_greedy(lm, eos: set, max_tokens: int) -> list[list[int]]:
     import torch
-    from eqc_utils.generation_hf import cut_after_eos
+    from eqc_utils.generation.hf import cut_after_eos
     answers = []
     for ids in PROMPT_IDS:
         out = lm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -314,7 +316,7 @@ def reference(lively):
 
 def _engine_answers(lm, engine: str, gen: dict, eos: set) -> list[list[int]]:
     from eqc_utils.generation import Job
-    from eqc_utils.generation_hf import Sequence, run_batches, run_continuous
+    from eqc_utils.generation.hf import Sequence, run_batches, run_continuous
     sequences = [Sequence(Job({"id": i}, [], 0), ids) for i, ids in enumerate(PROMPT_IDS)]
     got = {}
     emit = lambda seq, new_ids: got.__setitem__(seq.job.row["id"], new_ids)  # noqa: E731

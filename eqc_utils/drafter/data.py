@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from eqc_utils.generation import prompt_id_of
+from eqc_utils.generation.rows import prompt_id_of
 
 
 @dataclass

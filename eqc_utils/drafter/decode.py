@@ -36,7 +36,8 @@ from eqc_utils.drafter.model import DFlashDrafter, DraftCache
 
 
 @dataclass
-class GenerationStats:
+class DecodeResult:
+    """One decoded sequence: its new token ids, and per verification step how many tokens were accepted."""
     output_ids: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + bonus, per verification step
     accepted_at: list[int] = field(default_factory=list)        # accepted_at[k-1]: steps whose draft k was accepted
@@ -132,7 +133,7 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
 @torch.no_grad()
 def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     stop_ids: set[int] = frozenset(), temperature: float = 0.0,
-                    generator: torch.Generator | None = None) -> GenerationStats:
+                    generator: torch.Generator | None = None) -> DecodeResult:
     """Plain decoding, one target forward per token (the baseline speculative decoding must match)."""
     session = TargetSession(target, [])
     return greedy_loop(session, prompt_ids, max_new_tokens, stop_ids, temperature, generator,
@@ -140,7 +141,7 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
 
 
 def greedy_loop(session, prompt_ids: list[int], max_new_tokens: int, stop_ids, temperature: float, generator,
-                device) -> GenerationStats:
+                device) -> DecodeResult:
     """One target forward per token on any session with `forward(ids) -> (logits, features)` (this
     module's DynamicCache session, fast_decode's static one)."""
     started = time.perf_counter()
@@ -152,7 +153,7 @@ def greedy_loop(session, prompt_ids: list[int], max_new_tokens: int, stop_ids, t
         if token in stop_ids or len(out) == max_new_tokens:
             break
         logits, _ = session.forward(torch.tensor([[token]], device=device))
-    return GenerationStats(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
+    return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
 
 
 class DraftFn(Protocol):
@@ -191,12 +192,12 @@ class DFlashProposer(DraftFn):
 @torch.no_grad()
 def speculative_generate(target: nn.Module, proposer: DraftFn, prompt_ids: list[int], max_new_tokens: int,
                          stop_ids: set[int] = frozenset(), temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> GenerationStats:
+                         generator: torch.Generator | None = None) -> DecodeResult:
     device = next(target.parameters()).device
     block = proposer.block_size
     session = TargetSession(target, proposer.target_layer_ids)
     proposer.reset()
-    stats = GenerationStats([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+    stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
     started = time.perf_counter()
 
     if max_new_tokens <= 0:

@@ -35,7 +35,7 @@ import time
 import torch
 from torch import nn
 
-from eqc_utils.drafter.decode import (AcceptanceReport, DFlashProposer, DraftFn, GenerationStats, _pick, _probs,
+from eqc_utils.drafter.decode import (AcceptanceReport, DFlashProposer, DraftFn, DecodeResult, _pick, _probs,
                                       greedy_loop, rejection_accept)
 from eqc_utils.drafter.features import input_embedding, output_head
 from eqc_utils.drafter.model import DFlashDrafter
@@ -276,9 +276,9 @@ class FastSpeculativeDecoder:
     # --- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
-                 temperature: float = 0.0, generator: torch.Generator | None = None) -> GenerationStats:
+                 temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
         block = self.block
-        stats = GenerationStats([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+        stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
         started = time.perf_counter()
         if max_new_tokens <= 0:
             return stats
@@ -307,7 +307,7 @@ class FastSpeculativeDecoder:
         return stats
 
 
-def _count(stats: GenerationStats, accepted: int, block: int) -> None:
+def _count(stats: DecodeResult, accepted: int, block: int) -> None:
     """vLLM's count: every draft the target accepted, whatever the stop/budget trims afterwards."""
     for k in range(block - 1):
         stats.drafted_at[k] += 1
@@ -339,7 +339,7 @@ def _static_target(target, prompt_len: int, max_new_tokens: int, layer_ids=(), b
 @torch.no_grad()
 def fast_greedy_generate(target: nn.Module | StaticTarget, prompt_ids: list[int], max_new_tokens: int,
                          stop_ids: set[int] = frozenset(), temperature: float = 0.0,
-                         generator: torch.Generator | None = None, compile: bool | str = False) -> GenerationStats:
+                         generator: torch.Generator | None = None, compile: bool | str = False) -> DecodeResult:
     """decode.greedy_generate on a static cache (the speed-up baseline). Pass a StaticTarget to reuse its
     cache and compiled graphs across calls; an nn.Module gets a fresh one sized for this call."""
     session = _static_target(target, len(prompt_ids), max_new_tokens, compile=compile)
@@ -349,7 +349,7 @@ def fast_greedy_generate(target: nn.Module | StaticTarget, prompt_ids: list[int]
 
 def fast_speculative_generate(target: nn.Module | StaticTarget, proposer: DraftFn, prompt_ids: list[int],
                               max_new_tokens: int, stop_ids: set[int] = frozenset(), temperature: float = 0.0,
-                              generator: torch.Generator | None = None, compile: bool | str = False) -> GenerationStats:
+                              generator: torch.Generator | None = None, compile: bool | str = False) -> DecodeResult:
     """decode.speculative_generate on a static cache. For many prompts build one FastSpeculativeDecoder
     (or call measure_acceptance_fast), which keeps its cache and compiled graphs."""
     session = _static_target(target, len(prompt_ids), max_new_tokens, proposer.target_layer_ids,

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from eqc_utils.generation import prompt_id_of
+from eqc_utils.generation.rows import prompt_id_of
 
 ROLES = {"system", "user", "assistant"}
 

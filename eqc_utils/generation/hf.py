@@ -1,7 +1,6 @@
 """The engines of the data generator's transformers backend: a local HF model answers the prompts in-process,
-for GPU machines without vLLM. `eqc_utils.generation.generate_hf` runs them with the same input, output rows,
-samples per prompt, resume and partial-file rules as the vLLM backend; this module knows nothing of rows
-(so the import runs one way, generation -> generation_hf).
+for GPU machines without vLLM. `generate_hf` runs them with the same input, output rows, samples per prompt,
+resume and partial-file rules as the vLLM backend (`eqc_utils.generation.rows`).
 
 Three engines (`generation.hf_engine`), all from transformers itself (measurements: docs/generation.md):
   * `generate`: stock `generate` with a dynamic cache on batches of `hf_batch_size` sequences, longest
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eqc_utils.devices import resolve_device
+from eqc_utils.generation.rows import (GenerationStats, RowRecorder, RowWriter, finish_output, load_prompts,
+                                       open_for_resume, reconstruct_text, samples_per_prompt, sampling_params)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ ENGINES = ("generate", "static", "continuous")
 
 @dataclass
 class Sequence:
-    """One answer to make (an `eqc_utils.generation.Job`) with its prompt's token ids."""
+    """One answer to make (a `rows.Job`) with its prompt's token ids."""
     job: object
     ids: list[int]
 
@@ -245,3 +246,52 @@ def _cpu_cache_blocks(lm, count: int, longest_prompt: int, gen: dict) -> int | N
     page = ContinuousBatchingConfig.page_size
     pages_per_sequence = -(-(longest_prompt + gen["max_tokens"]) // page) + 1
     return min(count, gen["hf_batch_size"]) * pages_per_sequence
+
+
+# ---------------------------------------------------------------- the backend, end to end
+def generate_hf(model: str | Path, prompts_path: str | Path, out_path: str | Path, gen: dict, *,
+                device: str = "auto") -> GenerationStats:
+    """Answer every (prompt, sample) not yet in `out_path` with a local HF model in-process, with the engine
+    `gen["hf_engine"]`; same rows and resume as the vLLM backend."""
+    out_path = Path(out_path)
+    n = samples_per_prompt(gen)
+    prompts = load_prompts(prompts_path)
+    sampling = sampling_params(gen)
+    todo, writer = open_for_resume(out_path, prompts, sampling, str(model), gen["limit"], n)
+    engine = gen.get("hf_engine", "generate")
+    stats = GenerationStats(already_done=len(prompts[:gen["limit"]]) * n - len(todo), backend="transformers",
+                            engine=engine)
+    started = time.monotonic()
+    try:
+        if todo:  # nothing to load when an earlier run answered everything
+            lm, tokenizer = load_model(model, device)
+            rows = TokenRows(stats, writer, gen, sampling, str(model), tokenizer,
+                             eos_token_ids(lm, tokenizer))
+            answer(lm, tokenizer, todo, gen, rows.add,
+                                 f"generate {out_path.name} (transformers {engine})")
+    finally:
+        writer.close()
+    stats.seconds = time.monotonic() - started
+    stats.tokens_per_s = stats.completion_tokens / max(stats.seconds, 1e-9)
+    stats.rows = finish_output(out_path)
+    return stats
+
+
+class TokenRows:
+    """Turns an answer's new token ids into its output row (decoded; recorded by `RowRecorder`, as the vLLM
+    backend's answers are)."""
+
+    def __init__(self, stats: GenerationStats, writer: RowWriter, gen: dict, sampling: dict, gen_model: str,
+                 tokenizer, eos_ids: set[int]):
+        self.stats, self.gen, self.tokenizer, self.eos_ids = stats, gen, tokenizer, eos_ids
+        self.recorder = RowRecorder(stats, writer, gen, sampling, gen_model)
+
+    def add(self, seq, new_ids: list[int] | None) -> None:
+        """`seq`: a `Sequence` (its Job and prompt token ids); None: the engine failed it."""
+        if new_ids is None:
+            self.stats.failures += 1
+            return
+        finished = bool(new_ids) and new_ids[-1] in self.eos_ids
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        text = reconstruct_text(text, None, self.gen["thinking"], self.gen["include_reasoning"])
+        self.recorder.add(seq.job, text, "stop" if finished else "length", len(seq.ids), len(new_ids))
