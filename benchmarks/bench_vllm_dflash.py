@@ -28,7 +28,7 @@ from eqc_utils import assets, io  # noqa: E402
 from eqc_utils.compare import compare_runs  # noqa: E402
 from eqc_utils.drafter.data import split_heldout  # noqa: E402
 from eqc_utils.drafter.runs import json_block_size, prompt_ids  # noqa: E402
-from eqc_utils.drafter.serve_check import serve_greedy  # noqa: E402
+from eqc_utils.serving.greedy import serve_greedy  # noqa: E402
 
 
 def pick_prompts(tokenizer, rows: list[dict], n: int, longest: bool) -> list[list[int]]:

@@ -3,6 +3,9 @@
 Reviewers and scripts read one JSON instead of nine reports: stage -> {metrics, seconds, finished}, plus
 the machine the stages ran on and the date the file was written. It is rebuilt from the stages'
 `metrics.json` and stamps after every pipeline run, so stages skipped as up to date keep their numbers.
+A stage with no results in this `runs/` (a committed headline from another machine, a fresh clone that
+ran only some stages) keeps its entry from the file being replaced, marked `kept_from` with that file's
+date and with its own machine: running one stage never erases the others' numbers.
 """
 from __future__ import annotations
 
@@ -62,6 +65,12 @@ def write_headline(profile: str, stage_names: list[str], machine: str | None = N
             entry.update({k: stamp[k] for k in ("seconds", "finished", "machine") if k in stamp})
         stages[name] = entry
     path = figures_dir(profile) / HEADLINE_FILE
+    earlier = io.read_json(path) if path.exists() else {}
+    for name in stage_names:
+        old = earlier.get("stages", {}).get(name)
+        if name not in stages and old is not None:
+            stages[name] = {**old, "machine": old.get("machine", earlier.get("machine")),
+                            "kept_from": old.get("kept_from", earlier.get("written", "an earlier file"))}
     io.write_json(path, {
         "profile": profile,
         "written": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -141,6 +141,7 @@ SCHEMA: dict = {
         "kl_chunk_tokens": int,            # tokens per KL chunk: full-vocabulary logits never exist for a whole sequence
         "mask_prompt": bool,               # false = the reference: KL on every non-pad token
         "grad_checkpointing": bool,
+        "compile": OneOf("auto", "on", "off"),  # torch.compile the student's decoder; auto = on CUDA only
         "mixed_precision": OneOf("auto", "no", "bf16"),   # auto = bf16 on CUDA, fp32 on CPU
         "eval_every": int,
         "eval_chunks": Opt(int),           # held-out chunks per evaluation (null = all)
@@ -186,6 +187,8 @@ SCHEMA: dict = {
         "max_grad_norm": float,
         "precision": OneOf("bf16", "fp32"),     # bf16 = autocast for target and drafter, fp32 master weights
         "attention": OneOf("auto", "flex", "sdpa"),  # auto: flex_attention on CUDA, dense SDPA mask on CPU
+        "fused_loss": bool,                # the head's gradient computed chunk by chunk in the forward: no stored logits
+        "compile": OneOf("auto", "on", "off"),  # torch.compile the drafter (and the fused loss); auto = on CUDA only
         "save_every": int,                 # optimiser steps between checkpoints (each gets a tau measurement)
         "log_every": int,
         "resume": bool,                    # continue from the newest checkpoint of an identical run

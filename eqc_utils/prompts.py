@@ -260,9 +260,10 @@ def sample_prompts(source: PromptSource, cfg: SamplerConfig, exclude: set[str] =
 
 def token_counter(tokenizer) -> Callable[[list[dict]], int]:
     """Prompt length as the server will see it: chat template with the generation prompt, no extra specials."""
+    from eqc_utils.conversation import render_prompt
+
     def count(conversation: list[dict]) -> int:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(render_prompt(tokenizer, conversation))
     return count
 
 

@@ -14,7 +14,7 @@ SERVER_ARGS = {"max-model-len": 1024, "max-num-seqs": 16}
 
 
 def micro_model(folder: Path) -> Path:
-    from eqc_utils.assets import micro_llama
+    from _micro_models import micro_llama
     return micro_llama(folder / "micro_llama")
 
 

@@ -5,6 +5,7 @@ import copy
 from pathlib import Path
 
 from eqc_utils import assets
+from _micro_models import micro_llama, micro_qwen35
 from eqc_utils.params import load_params
 
 ANSWERS = ["Sure. Here is a short answer.", "The capital of France is Paris.", "Let me think step by step: 2 + 2 = 4.",
@@ -36,5 +37,5 @@ def micro_params(**qad_overrides) -> dict:
 
 
 def micro_models(root: Path) -> dict[str, Path]:
-    return {"llama": assets.micro_llama(root / "micro_llama"),
-            "qwen35": assets.micro_qwen35(root / "micro_qwen35")}
+    return {"llama": micro_llama(root / "micro_llama"),
+            "qwen35": micro_qwen35(root / "micro_qwen35")}

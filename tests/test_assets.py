@@ -1,6 +1,7 @@
 import pytest
 
 from eqc_utils import assets
+from _micro_models import micro_llama, micro_qwen35
 
 
 def test_teacher_is_converted_once_and_loads_fast():
@@ -75,8 +76,8 @@ def test_packaged_data_files():
 def test_micro_models(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
-    llama = AutoModelForCausalLM.from_pretrained(assets.micro_llama(tmp_path / "llama"))
-    qwen = AutoModelForCausalLM.from_pretrained(assets.micro_qwen35(tmp_path / "qwen"))
+    llama = AutoModelForCausalLM.from_pretrained(micro_llama(tmp_path / "llama"))
+    qwen = AutoModelForCausalLM.from_pretrained(micro_qwen35(tmp_path / "qwen"))
     c = llama.config
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (
         "llama", 2, 128, 256, 49152)
@@ -104,8 +105,8 @@ def test_micro_models(tmp_path):
         assert logits[kind].shape == (1, 4, 49152) and torch.isfinite(logits[kind]).all()
         assert torch.allclose(logits[kind][:, :2], prefix[kind], atol=1e-5), f"{kind} is not causal"
     # Random weights come from the seed alone: the same seed rebuilds the same model, another seed does not.
-    again = AutoModelForCausalLM.from_pretrained(assets.micro_qwen35(tmp_path / "qwen_again"))
-    other = AutoModelForCausalLM.from_pretrained(assets.micro_qwen35(tmp_path / "qwen_seed1", seed=1))
+    again = AutoModelForCausalLM.from_pretrained(micro_qwen35(tmp_path / "qwen_again"))
+    other = AutoModelForCausalLM.from_pretrained(micro_qwen35(tmp_path / "qwen_seed1", seed=1))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, logits["qwen"])
         assert not torch.allclose(other(ids).logits, logits["qwen"])

@@ -2,23 +2,7 @@ import pytest
 import torch
 
 from eqc_utils.drafter.mask import dense_block_mask, flex_available, flex_block_mask
-
-
-def brute_force_mask(anchors, valid, context_len, block_size):
-    """The rule of docs/recipe.md §3.2 step 4 written as nested loops."""
-    batch, n = anchors.shape
-    q_len = n * block_size
-    mask = torch.zeros(batch, 1, q_len, context_len + q_len, dtype=torch.bool)
-    for b in range(batch):
-        for blk in range(n):
-            for i in range(block_size):
-                q = blk * block_size + i
-                if valid[b, blk]:
-                    for j in range(context_len):
-                        mask[b, 0, q, j] = j < anchors[b, blk]
-                for j in range(block_size):
-                    mask[b, 0, q, context_len + blk * block_size + j] = True
-    return mask
+from tests._fixtures_drafter import brute_force_mask
 
 
 @pytest.fixture

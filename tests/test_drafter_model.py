@@ -6,7 +6,7 @@ from eqc_utils.drafter.features import context_features, input_embedding
 from eqc_utils.drafter.mask import dense_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, DraftCache, default_target_layer_ids, drafter_config_for,
                                      load_drafter, pick_mask_token_id, save_drafter)
-from tests._fixtures_drafter import load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
+from tests._fixtures_drafter import load_causal_lm
 
 
 def test_default_target_layers_match_the_paper():

@@ -10,8 +10,7 @@ from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import greedy_generate
 from eqc_utils.drafter.runs import prompt_ids, stop_ids
 from eqc_utils.paths import REPO_ROOT
-from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
-from tests.test_drafter_train import corpus  # noqa: F401
+from tests._fixtures_drafter import load_causal_lm, notebook_runs
 
 
 @pytest.mark.slow
@@ -19,14 +18,9 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     import papermill as pm
 
     path, rows = corpus
-    for var, sub in (("EQC_RUNS_DIR", "runs"), ("EQC_FIGURES_DIR", "figures"), ("EQC_REPORTS_DIR", "reports")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    runs = tmp_path / "runs" / "tiny"
+    runs = notebook_runs(tmp_path, monkeypatch, path, chain_target_dir)
     (runs / "02_teacher_data").mkdir(parents=True)
     shutil.copy(path, runs / "02_teacher_data" / "teacher.jsonl")
-    (runs / "05_qad_data").mkdir(parents=True)
-    shutil.copy(path, runs / "05_qad_data" / "qad.jsonl")
-    shutil.copytree(chain_target_dir, runs / "04_pack_target" / "target_dense")
     overrides = {"assets.teacher": str(chain_target_dir), "drafter.num_layers": 1, "drafter.max_steps": 3,
                  "drafter.save_every": 2, "drafter.log_every": 1, "drafter.heldout_prompts": 1,
                  "drafter.eval_max_new_tokens": 12, "drafter.vllm_check": False, "device": "cpu"}

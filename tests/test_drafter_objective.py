@@ -2,7 +2,9 @@ import math
 
 import torch
 
-from eqc_utils.drafter.objective import block_targets, decay_weights, sample_anchors, weighted_loss
+import pytest
+
+from eqc_utils.drafter.objective import block_targets, decay_weights, fused_head_loss, sample_anchors, weighted_loss
 
 
 def test_decay_weights_follow_the_reference():
@@ -85,3 +87,27 @@ def test_weighted_loss_only_scores_weighted_positions():
     hidden2 = hidden.clone()
     hidden2[0, [0, 3, 4]] = 1e4
     torch.testing.assert_close(weighted_loss(hidden2, head, labels, weights)[0], loss)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_fused_head_loss_equals_autograd_loss_and_gradient(chunk):
+    """Same value, accuracy and d loss / d hidden as the plain autograd computation, for any chunking."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    labels = torch.randint(0, 50, (3, 12))
+    weights = torch.rand(3, 12) * (torch.rand(3, 12) > 0.3)
+    hidden = torch.randn(3, 12, 16, requires_grad=True)
+    plain, plain_stats = weighted_loss(hidden, head, labels, weights)
+    (plain_grad,) = torch.autograd.grad(plain * 3.0, hidden)
+    fused, fused_stats = fused_head_loss(hidden, head, labels, weights, chunk=chunk)
+    (fused_grad,) = torch.autograd.grad(fused * 3.0, hidden)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)
+    assert fused_stats == plain_stats
+    assert fused_grad[weights == 0].abs().max() == 0          # unscored positions get no gradient
+
+
+def test_fused_head_loss_refuses_a_trainable_head():
+    head = torch.nn.Linear(4, 10, bias=False)
+    with pytest.raises(ValueError, match="fused_loss"):
+        fused_head_loss(torch.randn(2, 3, 4), head, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))

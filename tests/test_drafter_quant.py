@@ -13,8 +13,7 @@ from eqc_utils.drafter.swa import set_window
 from eqc_utils.params import load_params
 from eqc_utils.quant import gptq
 from _fixtures_generation import needs_vllm
-from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
-from tests.test_drafter_train import corpus, trained  # noqa: F401
+from tests._fixtures_drafter import brute_force_mask, load_causal_lm, notebook_runs
 
 Q = dict(bits=4, group_size=32, percdamp=0.01, update_block=64, static_groups=False, keep_bf16=[])
 
@@ -186,29 +185,12 @@ def test_pack_round_trips_bit_exact_and_loads_as_a_drafter(micro_llama_dir, tmp_
         torch.testing.assert_close(loaded(x, features, positions), q(x, features, positions), atol=2e-3, rtol=2e-3)
 
 
-def brute_force_window_mask(anchors, valid, context_len, block_size, window):
-    """The windowed rule written as loops: query slot k of block n (position a_n + k) sees context j iff
-    j < a_n and a_n + k - j < window, and its own block."""
-    batch, n = anchors.shape
-    q_len = n * block_size
-    mask = torch.zeros(batch, 1, q_len, context_len + q_len, dtype=torch.bool)
-    for b in range(batch):
-        for blk in range(n):
-            for k in range(block_size):
-                q = blk * block_size + k
-                for j in range(context_len):
-                    mask[b, 0, q, j] = bool(valid[b, blk]) and j < anchors[b, blk] and anchors[b, blk] + k - j < window
-                for j in range(block_size):
-                    mask[b, 0, q, context_len + blk * block_size + j] = True
-    return mask
-
-
 @pytest.mark.parametrize("window", [4, 5, 7, 12, 100])
 def test_window_mask_equals_brute_force(window):
     anchors = torch.tensor([[0, 3, 9, 10], [5, 6, 0, 0]])
     valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
     assert torch.equal(dense_block_mask(anchors, valid, 14, 4, window=window),
-                       brute_force_window_mask(anchors, valid, 14, 4, window))
+                       brute_force_mask(anchors, valid, 14, 4, window))
 
 
 def test_window_shorter_than_a_block_is_refused():
@@ -330,20 +312,13 @@ def test_vllm_serves_a_w4_windowed_drafter_like_the_reference(chain_target_dir, 
 def test_notebook_08_quantizes_measures_and_ships(chain_target_dir, corpus, tmp_path, monkeypatch):
     """Notebook 08 on micro inputs (the chain target as QAD twin, its own texts as QAD data, an untrained
     drafter as 07's): the W4 SWA drafter, tau table, sweep, figures and metrics come out."""
-    import shutil
-
     import papermill as pm
 
     from eqc_utils.drafter.model import save_drafter
     from eqc_utils.paths import REPO_ROOT
 
     path, _ = corpus
-    for var, sub in (("EQC_RUNS_DIR", "runs"), ("EQC_FIGURES_DIR", "figures"), ("EQC_REPORTS_DIR", "reports")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    runs = tmp_path / "runs" / "tiny"
-    (runs / "05_qad_data").mkdir(parents=True)
-    shutil.copy(path, runs / "05_qad_data" / "qad.jsonl")
-    shutil.copytree(chain_target_dir, runs / "04_pack_target" / "target_dense")
+    runs = notebook_runs(tmp_path, monkeypatch, path, chain_target_dir)
     target = load_causal_lm(chain_target_dir)
     cfg = drafter_config_for(target.config, num_layers=1, block_size=8, target_layer_ids=[0, 1], mask_token_id=16)
     torch.manual_seed(0)

@@ -3,34 +3,12 @@
 import pytest
 import torch
 
-from eqc_utils import io
 from eqc_utils.drafter.data import split_heldout
-from eqc_utils.drafter.decode import greedy_generate
 from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
 from eqc_utils.drafter.train import checkpoint_steps, load_target
-from eqc_utils.params import load_params
 from _fixtures_generation import needs_vllm
-from tests._fixtures_drafter import chain_target_dir, load_causal_lm, micro_llama_dir, tokenizer  # noqa: F401
-
-QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity.",
-             "List three fruits.", "How do I sort a list in Python?", "Tell me a joke."]
-
-
-@pytest.fixture(scope="module")
-def corpus(chain_target_dir, tokenizer, tmp_path_factory):
-    """Conversations whose answers are the chain target's own greedy continuations."""
-    target = load_causal_lm(chain_target_dir)
-    rows = []
-    for i, question in enumerate(QUESTIONS):
-        conv = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
-        answer = tokenizer.decode(greedy_generate(target, ids, 48).output_ids, skip_special_tokens=True)
-        rows.append({"id": str(i), "conversations": conv + [{"role": "assistant", "content": answer}]})
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    io.write_jsonl(path, rows)                      # split_heldout keeps one of them (smallest md5 of its id) out
-    return path, rows
-
+from tests._fixtures_drafter import tiny_params
 
 def test_heldout_rows_depend_on_ids_not_on_file_order():
     rows = [{"id": f"row-{i}", "n": i} for i in range(50)]
@@ -56,24 +34,6 @@ def test_heldout_prompts_take_all_their_samples_out_of_training():
     # the same prompts as with one sample per prompt (rows of older files have no prompt_id)
     _, single = split_heldout([{"id": f"p{i}"} for i in range(20)], 4)
     assert {r["id"] for r in single} == held
-
-
-def tiny_params(**changes):
-    P = load_params("tiny")["drafter"]
-    P.update(num_layers=1, block_size=8, num_anchors=48, heldout_prompts=1, epochs=1000, max_steps=60,
-             batch_size=2, grad_accum=1, save_every=30, log_every=10, eval_max_new_tokens=40, lr=3e-3,
-             precision="fp32", resume=True)
-    P.update(changes)
-    return P
-
-
-@pytest.fixture(scope="module")
-def trained(chain_target_dir, tokenizer, corpus, tmp_path_factory):
-    path, rows = corpus
-    P = tiny_params()
-    result = train_run("learn", chain_target_dir, path, tmp_path_factory.mktemp("learn") / "run", P, tokenizer,
-                       device="cpu")
-    return result, P, rows
 
 
 @pytest.mark.slow
@@ -134,7 +94,7 @@ def test_interrupted_training_resumes_to_the_same_result(chain_target_dir, token
 def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, tokenizer, corpus, tmp_path):
     """log_every, save_every, eval_*, vllm_* and epochs/max_steps never discard checkpoints; a longer run
     continues from the last one on the new schedule, a shorter one from the newest it can use."""
-    from eqc_utils.drafter.train import warmup_cosine
+    from eqc_utils.training import warmup_cosine
     path, _ = corpus
     out = tmp_path / "run"
     train_run("keep", chain_target_dir, path, out, tiny_params(max_steps=4, save_every=2, log_every=1), tokenizer,
@@ -149,10 +109,48 @@ def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, 
     assert (out / "checkpoints" / "step_000004").stat().st_ino == kept and not list(out.glob("*.stale-*"))
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 5, 6]
     assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5, 6]
-    assert result.history[4]["lr"] == pytest.approx(P["lr"] * warmup_cosine(6, P["warmup_ratio"])(5))
+    assert result.history[4]["lr"] == pytest.approx(P["lr"] * warmup_cosine(6, max(1, int(P["warmup_ratio"] * 6)))(5))
     logs.clear()
     train_run("keep", chain_target_dir, path, out, dict(P, max_steps=5), tokenizer, device="cpu", log=logs.append)
     assert any("resuming from step_000005" in line for line in logs), logs
     [stale] = out.glob("checkpoints.stale-*")
     assert [p.name for p in stale.iterdir()] == ["step_000006"]
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 5]
+
+
+def test_fused_and_plain_loss_give_one_step(chain_target_dir, tokenizer, corpus):
+    """drafter.fused_loss changes how the head's gradient is computed, not the step: same loss, same gradients."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.train import drafter_step, new_drafter
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    P = tiny_params()
+    batch = collate(build_examples(corpus[1][:2], tokenizer, P["max_length"], 16, where="test"), "cpu")
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        drafter = new_drafter(P, target, tokenizer, None)
+        loss, stats = drafter_step(drafter, target, batch, {**P, "fused_loss": fused},
+                                   torch.Generator().manual_seed(3))
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad for n, p in drafter.named_parameters()}))
+    (plain_loss, plain_stats, plain_grads), (fused_loss, fused_stats, fused_grads) = results
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-6, atol=1e-6)
+    assert fused_stats == plain_stats
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_fast_tau_measurement_equals_the_reference_decoder(chain_target_dir, tokenizer, trained):
+    """measure_drafter's static-cache path (the default on CUDA) gives the reference decoder's acceptance in fp32."""
+    result, P, _ = trained
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    prompts = prompt_ids(tokenizer, result.heldout)
+    stops = stop_ids(tokenizer, target.config)
+    final = checkpoint_steps(result.out_dir)[-1][1]
+    with torch.no_grad():
+        reference = measure_drafter(final, target, prompts, stops, P, fast=False)
+        fast = measure_drafter(final, target, prompts, stops, P, fast=True)
+    assert reference.tau > 2.0                      # a trained drafter: the comparison covers accepted drafts
+    assert (fast.tau, fast.tokens, fast.steps) == (reference.tau, reference.tokens, reference.steps)
+    assert fast.acceptance_per_position == reference.acceptance_per_position

@@ -9,9 +9,8 @@ from eqc_utils.drafter.fast_decode import (FastSpeculativeDecoder, StaticDFlashP
                                            UnsupportedTargetError, fast_greedy_generate, fast_speculative_generate,
                                            measure_acceptance_fast)
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for
-from tests._fixtures_drafter import (chain_target_dir, load_causal_lm, micro_llama_dir,  # noqa: F401
-                                     micro_qwen35_dir, tokenizer)
-from tests.test_drafter_decode import PROMPT, STOP_CASES, CorruptedOracle, expected_stats
+from tests._fixtures_decode import PROMPT, STOP_CASES, CorruptedOracle, expected_stats
+from tests._fixtures_drafter import load_causal_lm
 
 TARGETS = {"llama": "micro_llama_dir", "chain_llama": "chain_target_dir"}
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 import yaml
 
-from eqc_utils import assets, io
+from eqc_utils import io
 from eqc_utils.drafter.train import checkpoint_steps, read_history
 from eqc_utils.params import load_params
 from eqc_utils.paths import REPO_ROOT
+from _micro_models import micro_llama
 
 
 def _rows(n=24):
@@ -42,7 +43,7 @@ def _launch(profile, target, data, out, tmp_path, processes=2):
 
 @pytest.mark.slow
 def test_two_cpu_processes_train_save_and_resume(tmp_path):
-    target = assets.micro_llama(tmp_path / "target")
+    target = micro_llama(tmp_path / "target")
     data = tmp_path / "data.jsonl"
     io.write_jsonl(data, _rows())
     raw = load_params("tiny")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from _fixtures_quant import micro_params, teacher_rows
-from eqc_utils import assets
+from _micro_models import micro_llama
 from eqc_utils.quant import qad
 
 
@@ -27,7 +27,7 @@ def _student_weights(stage, step):
 @pytest.mark.slow
 def test_two_cpu_processes_match_one_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("EQC_RUNS_DIR", str(tmp_path / "runs"))
-    teacher = assets.micro_llama(tmp_path / "teacher")
+    teacher = micro_llama(tmp_path / "teacher")
     params = micro_params(max_steps=2, save_every=2, eval_every=2, lr=3e-4, micro_batch_size=1, grad_accum_steps=2,
                           keep_last_ckpts=0)
     params["profile"] = "micro_mp"

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from _fixtures_quant import micro_params
-from eqc_utils import assets
+from _micro_models import micro_llama, micro_qwen35
 from eqc_utils.quant import grid, pack_ct, ptq
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("grid")
-    return {"llama": assets.micro_llama(root / "llama"), "qwen35": assets.micro_qwen35(root / "qwen35")}
+    return {"llama": micro_llama(root / "llama"), "qwen35": micro_qwen35(root / "qwen35")}
 
 
 @pytest.fixture(scope="module")

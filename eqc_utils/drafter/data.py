@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from eqc_utils.conversation import render_with_answer, training_messages
 from eqc_utils.generation.rows import prompt_id_of
 
 
@@ -23,40 +24,15 @@ class Example:
     loss_mask: list[int]
 
 
-def messages_of(row: dict, where: str = "") -> list[dict]:
-    messages = row.get("conversations") or row.get("messages")
-    if not messages:
-        raise ValueError(f"{where}: row {row.get('id', '?')} has no 'conversations' list")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def prompt_messages(row: dict) -> list[dict]:
-    """The conversation without its final assistant turn: what the model is asked."""
-    messages = messages_of(row)
-    while messages and messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
-    return messages
-
-
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Example:
-    if messages[-1]["role"] != "assistant":
-        raise ValueError("a training conversation must end with an assistant turn")
-    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(messages, tokenize=False)
-    if not full_text.startswith(prompt_text):
-        raise ValueError("the chat template renders the prompt differently inside the full conversation; "
-                         "the assistant span cannot be located (use a template whose history is a prefix)")
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
-    ids = (prompt_ids + answer_ids)[:max_length]
-    mask = ([0] * len(prompt_ids) + [1] * len(answer_ids))[:max_length]
-    return Example(ids, mask)
+    ids, prompt_len = render_with_answer(tokenizer, messages)
+    return Example(ids[:max_length], ([0] * prompt_len + [1] * (len(ids) - prompt_len))[:max_length])
 
 
 def build_examples(rows: list[dict], tokenizer, max_length: int, min_loss_tokens: int, where: str = "") -> list[Example]:
     examples = []
     for row in tqdm(rows, desc="tokenize", leave=False):
-        example = tokenize_conversation(tokenizer, messages_of(row, where), max_length)
+        example = tokenize_conversation(tokenizer, training_messages(row, where), max_length)
         if sum(example.loss_mask) >= min_loss_tokens:
             examples.append(example)
     if not examples:

@@ -6,6 +6,12 @@ with p + block_size <= length (the whole block lies inside the sequence). Block 
 x[anchor_n + k] (same-position labels). Slot 0 is the given anchor token, so it is never scored;
 slot k >= 1 is weighted by exp(-(k-1)/gamma) (early slots matter most: a draft is only accepted up to
 its first miss) and only where x[anchor + k] is an assistant token.
+
+The head is the target's and frozen, so the only gradient the loss sends back is d loss / d hidden.
+`fused_head_loss` computes it chunk by chunk in the forward pass (softmax minus one-hot, times the
+head) and keeps only that [scored, hidden] tensor: no [scored, vocab] logits are stored for the
+backward pass (the idea of fused linear + cross-entropy kernels). `weighted_loss` is the plain
+autograd computation it must equal.
 """
 from __future__ import annotations
 
@@ -77,6 +83,72 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     for start in range(0, h.shape[0], chunk):
         logits = head(h[start:start + chunk])
         losses.append(F.cross_entropy(logits.float(), y[start:start + chunk], reduction="none"))
-        correct += (logits.argmax(-1) == y[start:start + chunk]).sum().item()
+        correct = correct + (logits.argmax(-1) == y[start:start + chunk]).sum()   # one host sync, below
     loss = (torch.cat(losses) * w).sum() / (w.sum() + 1e-6)
-    return loss, {"accuracy": correct / h.shape[0], "scored": int(h.shape[0])}
+    return loss, {"accuracy": int(correct) / h.shape[0], "scored": int(h.shape[0])}
+
+
+def _head_ce_chunk(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                   total: torch.Tensor):
+    """One chunk: (weighted CE sum, correct count, d(loss)/d(h)) with loss = sum(w * CE) / total."""
+    logits = (h @ head_weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels[:, None]).squeeze(1)
+    ce_sum = ((lse - picked) * weights).sum()
+    correct = (logits.argmax(-1) == labels).sum()
+    grad_logits = torch.exp(logits - lse[:, None])
+    grad_logits.scatter_add_(1, labels[:, None], -torch.ones_like(picked[:, None]))
+    grad_logits = grad_logits * (weights / total)[:, None]
+    return ce_sum, correct, grad_logits.to(h.dtype) @ head_weight.to(h.dtype)
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return _head_ce_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_head_ce_chunk, dynamic=True)
+    return _compiled_chunk
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk: int, compiled: bool):
+        total = weights.float().sum() + 1e-6
+        grad = torch.empty_like(hidden)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        step = _chunk_fn(compiled)
+        for start in range(0, hidden.shape[0], chunk):
+            piece = slice(start, start + chunk)
+            part_sum, part_correct, grad[piece] = step(hidden[piece], head_weight, labels[piece],
+                                                       weights[piece].float(), total)
+            ce_sum += part_sum
+            correct += part_correct
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return ce_sum / total, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+
+
+def fused_head_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor,
+                    chunk: int = 8192, compiled: bool = False) -> tuple[torch.Tensor, dict]:
+    """`weighted_loss` (same value, same gradient for `hidden`) for a frozen, bias-free head, with the
+    gradient computed during the forward pass chunk by chunk: memory holds one chunk's logits at a time.
+    `compiled` runs each chunk through torch.compile (fuses the softmax / cross-entropy elementwise work)."""
+    if getattr(head, "bias", None) is not None or head.weight.requires_grad:
+        raise ValueError("fused_head_loss needs a frozen, bias-free output head (the target's LM head); "
+                         "set drafter.fused_loss: false for this target")
+    keep = weights > 0
+    h, y, w = hidden[keep], labels[keep], weights[keep]
+    if h.shape[0] == 0:
+        return hidden.sum() * 0.0, {"accuracy": math.nan, "scored": 0}
+    loss, correct = _FrozenHeadCrossEntropy.apply(h, head.weight, y, w, chunk, compiled)
+    return loss, {"accuracy": correct.item() / h.shape[0], "scored": int(h.shape[0])}

@@ -12,8 +12,10 @@ import torch
 
 from eqc_utils import io
 from eqc_utils.devices import resolve_device
-from eqc_utils.drafter.data import prompt_messages, split_heldout
+from eqc_utils.conversation import prompt_messages, render_prompt
+from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
+from eqc_utils.drafter.fast_decode import UnsupportedTargetError, measure_acceptance_fast
 from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, train_drafter
 
@@ -43,8 +45,7 @@ def train_run(name: str, target_dir: Path, data_path: Path, out_dir: Path, P: di
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
     """Chat-templated prompts (generation prompt appended) of held-out rows."""
-    return [tokenizer.apply_chat_template(prompt_messages(r), tokenize=True, add_generation_prompt=True,
-                                          return_dict=False) for r in rows]
+    return [render_prompt(tokenizer, prompt_messages(r)) for r in rows]
 
 
 def user_text(row: dict) -> str:
@@ -64,10 +65,19 @@ def stop_ids(tokenizer, target_config) -> set[int]:
 
 
 def measure_drafter(drafter_dir: Path, target, prompts: list[list[int]], stops: set[int], P: dict,
-                    block_size: int | None = None) -> AcceptanceReport:
+                    block_size: int | None = None, fast: bool | None = None) -> AcceptanceReport:
+    """tau of a saved drafter on `prompts`. `fast` (default: on CUDA) uses the static-cache decoder, compiled on
+    CUDA (fast_decode: the same acceptance, exact in fp32), where the target is attention-only; other targets
+    (Qwen3.5's recurrent layers) take the reference decoder."""
     device = next(target.parameters()).device
     drafter = load_drafter(drafter_dir, device=device, dtype=next(target.parameters()).dtype)
     proposer = DFlashProposer(drafter, target, block_size)
+    if fast if fast is not None else device.type == "cuda":
+        try:
+            return measure_acceptance_fast(target, proposer, prompts, P["eval_max_new_tokens"], stops,
+                                           temperature=P["eval_temperature"], compile=device.type == "cuda")
+        except UnsupportedTargetError:
+            pass
     return measure_acceptance(target, proposer, prompts, P["eval_max_new_tokens"], stops,
                               temperature=P["eval_temperature"])
 

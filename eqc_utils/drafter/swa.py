@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from eqc_utils.drafter.data import messages_of
+from eqc_utils.conversation import render_prompt, training_messages
 from eqc_utils.drafter.decode import DFlashProposer, measure_acceptance
 from eqc_utils.drafter.mask import check_window
 from eqc_utils.drafter.model import DFlashDrafter, load_drafter
@@ -76,15 +76,15 @@ def long_prompts(history_rows: list[dict], final_rows: list[dict], tokenizer, n:
     multi-turn history, then the user turn of a held-out row as the question, chat-templated with the
     generation prompt; as many history turns as fit in `max_tokens`."""
     def render(messages):
-        return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return render_prompt(tokenizer, messages)
 
     def turns(row):
-        messages = [m for m in messages_of(row) if m["role"] in ("user", "assistant")]
+        messages = [m for m in training_messages(row) if m["role"] in ("user", "assistant")]
         return messages[-2:] if len(messages) >= 2 and messages[-1]["role"] == "assistant" else []
 
     prompts = []
     for i in range(n):
-        question = next(m for m in reversed(messages_of(final_rows[i % len(final_rows)])) if m["role"] == "user")
+        question = next(m for m in reversed(training_messages(final_rows[i % len(final_rows)])) if m["role"] == "user")
         history: list[dict] = []
         misses = 0
         for j in range(len(history_rows)):

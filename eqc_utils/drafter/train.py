@@ -33,14 +33,15 @@ import torch
 from tqdm.auto import tqdm
 
 from eqc_utils import io
-from eqc_utils.devices import resolve_device
+from eqc_utils.devices import resolve_device, wants_compile
 from eqc_utils.params import params_digest
+from eqc_utils.training import apply_schedule, warmup_cosine
 from eqc_utils.drafter.data import build_examples, collate, epoch_batches
 from eqc_utils.drafter.features import context_features, freeze, input_embedding, output_head
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
                                      save_drafter, unwrap)
-from eqc_utils.drafter.objective import block_targets, sample_anchors, weighted_loss
+from eqc_utils.drafter.objective import block_targets, fused_head_loss, sample_anchors, weighted_loss
 
 STATE_FILE = "training_state.pt"
 HISTORY_FILE = "history.json"
@@ -52,7 +53,7 @@ CHECKPOINTS_DIR = "checkpoints"
 # is part of the trajectory, except the schedule's length (HORIZON_KEYS).
 NEUTRAL_KEYS = frozenset({"save_every", "log_every", "resume", "run_direct", "eval_max_new_tokens",
                           "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args", "near_tie_margin",
-                          "precision", "attention"})
+                          "precision", "attention", "fused_loss", "compile"})
 HORIZON_KEYS = ("epochs", "max_steps")
 
 
@@ -73,18 +74,6 @@ def load_target(target_dir: Path, device: str, precision: str):
     dtype = torch.bfloat16 if (device.startswith("cuda") and precision == "bf16") else torch.float32
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype)
     return freeze(target.to(device))
-
-
-def warmup_cosine(total_steps: int, warmup_ratio: float):
-    """Linear warmup from lr/W to lr over W = int(ratio * total) steps, then cosine to 0 (reference)."""
-    warmup = max(1, int(warmup_ratio * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return factor
 
 
 def new_drafter(P: dict, target, tokenizer, init_from: Path | None) -> DFlashDrafter:
@@ -112,6 +101,9 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     context_pos = torch.arange(context_len, device=anchors.device).expand(anchors.shape[0], -1)
     positions = torch.cat([context_pos, blocks["positions"]], dim=1)
     hidden = drafter(block_embeds, features, positions, mask=mask)
+    if P.get("fused_loss"):
+        return fused_head_loss(hidden, output_head(target), blocks["labels"], blocks["weights"],
+                               compiled=bool(P.get("compiled")))
     return weighted_loss(hidden, output_head(target), blocks["labels"], blocks["weights"])
 
 
@@ -212,14 +204,6 @@ def _set_aside(run: TrainRun, plan: ResumePlan, log) -> None:
             f"{', '.join(p.name for p in plan.later)} moved aside to {dest.name}")
 
 
-def _apply_schedule(scheduler) -> None:
-    """Set the optimiser's learning rate to the (new) schedule's value at the loaded step."""
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
-
-
 def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", seed: int = 0, log=print) -> Path:
     """Train one run; returns the final drafter folder (`out_dir/drafter`). Resumable."""
     from accelerate import Accelerator
@@ -245,7 +229,8 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
         total_steps = min(total_steps, P["max_steps"])
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=P["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, P["warmup_ratio"]))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(total_steps, max(1, int(P["warmup_ratio"] * total_steps))))
     generator = torch.Generator().manual_seed(seed + rank)
     trajectory = trajectory_settings(run, P, used_rows, seed, len(examples))
     plan = _plan_resume(run, P, trajectory, _legacy_digest(run, P, len(examples)), total_steps)
@@ -266,7 +251,7 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
         horizons = state.get("horizons") or horizons
         log(f"[{run.name}] resuming from {plan.path.name}")
         if plan.old_horizon is not None:
-            _apply_schedule(scheduler)
+            apply_schedule(scheduler)
             horizons = horizons + [{"from_step": counters["step"], "total_steps": total_steps}]
             log(f"[{run.name}] the schedule length changed from {plan.old_horizon} to {total_steps} steps "
                 f"(drafter.epochs / max_steps): from step {counters['step']} on, the learning rate follows the "
@@ -274,6 +259,11 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
                 "(drafter.resume=false gives a run with one schedule)")
     else:
         run.history.clear()
+    if wants_compile(P["compile"], str(accelerator.device)):
+        # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module;
+        # dynamic shapes, since batches differ in length and in anchor count
+        drafter.compile(dynamic=True)
+        P = {**P, "compiled": True}
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     drafter.train()
 

@@ -93,14 +93,14 @@ def acceptance(target, drafter_dir: str | Path, tokenizer, E: Mapping, stops: se
     their mean, in the layout of `acceptance.mean_acceptance_length`."""
     import torch
     from eqc_utils.drafter.fast_decode import cache_len_for
+    from eqc_utils.conversation import render_prompt
     from eqc_utils.evaluation.acceptance import acceptance_prompts
 
     sets = {}
     for name in E["acceptance_datasets"]:
         texts = acceptance_prompts(name, E["acceptance_prompts"] + 1, tokenizer=tokenizer,
                                    context_tokens=E["acceptance_context_tokens"])
-        sets[name] = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                                    add_generation_prompt=True, return_dict=False) for t in texts]
+        sets[name] = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     longest = max(len(ids) for ids in sum(sets.values(), []))
     decoder = _decoder(target, drafter_dir, cache_len_for(longest, E["acceptance_max_tokens"], 64), compile_)
     per_dataset = {}

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from eqc_utils.conversation import render_prompt
 from eqc_utils.devices import resolve_device
 from eqc_utils.generation.rows import (GenerationStats, RowRecorder, RowWriter, finish_output, load_prompts,
                                        open_for_resume, reconstruct_text, samples_per_prompt, sampling_params)
@@ -37,14 +38,6 @@ class Sequence:
     """One answer to make (a `rows.Job`) with its prompt's token ids."""
     job: object
     ids: list[int]
-
-
-def render_prompt(tokenizer, messages: list[dict], thinking: str) -> list[int]:
-    """Token ids of the chat-template rendering (string first, then tokenised without special
-    tokens, as the reference does), with the thinking switch when it is on/off."""
-    kwargs = {} if thinking == "auto" else {"enable_thinking": thinking == "on"}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def answer(lm, tokenizer, jobs: list, gen: dict, emit, desc: str) -> None:

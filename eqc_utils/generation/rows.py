@@ -10,35 +10,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+from eqc_utils.conversation import request_messages
 from eqc_utils.io import describe_changes, read_jsonl, stale_name, write_jsonl
 
 log = logging.getLogger(__name__)
 
-ROLE_ALIASES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "assistant": "assistant"}
-
-
 # ---------------------------------------------------------------- rows in, rows out
-def request_messages(row: dict, where: str) -> list[dict]:
-    """The messages to send for one prompt row (docs/recipe.md §1.5 step 2); ValueError names `where`."""
-    turns = row.get("conversations", row.get("messages"))
-    if not isinstance(turns, list):
-        raise ValueError(f"{where}: prompt row has no 'conversations' (or 'messages') list")
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise ValueError(f"{where}: a conversation turn is not an object: {turn!r}")
-        role = ROLE_ALIASES.get(turn.get("role", turn.get("from")))
-        content = turn.get("content", turn.get("value"))
-        if role is None:
-            raise ValueError(f"{where}: unknown role in turn {turn!r}")
-        if role == "assistant" or not isinstance(content, str) or not content.strip():
-            continue
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "user" for m in messages):
-        raise ValueError(f"{where}: prompt has no non-empty user turn")
-    return messages
-
-
 def load_prompts(path: str | Path, limit: int | None = None) -> list[tuple[dict, list[dict]]]:
     """(row, messages) pairs, first occurrence of each id kept; malformed lines raise naming the line."""
     path = Path(path)

@@ -21,47 +21,26 @@ import random
 
 import torch
 
+from eqc_utils.conversation import ConversationError, render_with_answer, training_messages
 from eqc_utils.generation.rows import prompt_id_of
-
-ROLES = {"system", "user", "assistant"}
-
 
 class TeacherDataError(ValueError):
     """A teacher-data row cannot be used for distillation."""
 
 
 def check_row(row: dict, where: str) -> list[dict]:
-    conv = row.get("conversations")
-    if not isinstance(conv, list) or not conv:
-        raise TeacherDataError(f"{where}: 'conversations' must be a non-empty list of messages")
-    for msg in conv:
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-            raise TeacherDataError(f"{where}: every message needs a role in {sorted(ROLES)} and string content")
-    if conv[-1]["role"] != "assistant":
-        raise TeacherDataError(f"{where}: the last message must be the teacher's assistant answer")
-    return conv
+    try:
+        return training_messages(row, where)
+    except ConversationError as error:
+        raise TeacherDataError(str(error)) from error
 
 
 def render_tokens(conv: list[dict], tokenizer) -> tuple[list[int], int]:
-    """Token ids of a whole conversation and where the assistant answer starts.
-
-    The prompt (every message but the last, with the generation prompt) and the answer are tokenised
-    separately, so the answer starts exactly where generation would, even when a token could span
-    the boundary. A template that renders the prompt differently inside the full conversation is an
-    error: the answer could not be located.
-    """
-    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
-    prompt = tokenizer.apply_chat_template(conv[:-1], tokenize=False, add_generation_prompt=True)
-    if not text.startswith(prompt):
-        at = next((i for i, (a, b) in enumerate(zip(text, prompt)) if a != b), min(len(text), len(prompt)))
-        raise TeacherDataError(
-            f"the chat template renders the prompt (with its generation prompt) differently inside the full "
-            f"conversation (first difference at character {at}: prompt {prompt[at:at + 40]!r} vs conversation "
-            f"{text[at:at + 40]!r}), so the assistant answer cannot be located; use a template "
-            f"whose generation prompt is a prefix of the rendered conversation")
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(text[len(prompt):], add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids, len(prompt_ids)
+    """Token ids of a whole conversation and where the assistant answer starts (`conversation.render_with_answer`)."""
+    try:
+        return render_with_answer(tokenizer, conv)
+    except ConversationError as error:
+        raise TeacherDataError(str(error)) from error
 
 
 def split_rows(rows: list, val_ratio: float, seed: int, keys: list | None = None) -> tuple[list, list]:

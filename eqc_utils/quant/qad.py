@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eqc_utils.devices import resolve_device
+from eqc_utils.devices import resolve_device, wants_compile
 from eqc_utils.io import atomic_path, describe_changes, move_aside, read_json, stale_name, write_json
 from eqc_utils.quant import grid
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
+from eqc_utils.training import apply_schedule, warmup_cosine
 from eqc_utils.quant.ptq import awq_pack, dense_ptq_model, load_causal_lm, resolve_pack, student_from_pack
 
 STAGE = "03_qad_target"
@@ -66,7 +67,8 @@ DATA_KEYS = ("max_rows", "max_seq_len", "val_ratio", "shuffle_seed", "mask_promp
 # across them fails with a clear error instead of discarding anything.
 NEUTRAL_KEYS = frozenset({"launcher", "num_processes", "deepspeed", "log_every", "save_every", "eval_every",
                           "eval_chunks", "keep_last_ckpts", "resume", "gate_chunks", "gate_seq_len",
-                          "inject_kl_tolerance", "mixed_precision", "grad_checkpointing", "kl_chunk_tokens"})
+                          "inject_kl_tolerance", "mixed_precision", "grad_checkpointing", "kl_chunk_tokens",
+                          "compile"})
 HORIZON_KEY = "max_steps"
 
 
@@ -379,14 +381,6 @@ def _horizons(meta: dict | None, resume_from: int | None, max_steps: int) -> tup
     return before + [{"from_step": resume_from, "max_steps": max_steps}], before[-1]["max_steps"]
 
 
-def _apply_schedule(scheduler) -> None:
-    """Set the optimiser's learning rate to the (new) schedule's value at the loaded step."""
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
-
-
 def _move_later_checkpoints(stage_dir: Path, after: int, why: str) -> None:
     """Checkpoints after the step this run starts from belong to a run it does not continue: move them
     (with copies of the logs) into `ckpts.stale-<time>/`."""
@@ -410,7 +404,6 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
     """The QAD run. Every process of an `accelerate launch` runs this same function."""
     from accelerate import Accelerator, DistributedType
     from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
 
     qad, quant = params["qad"], params["quant"]
     # -- distribution: effective batch = micro x grad_accum_steps sequences, whatever the process count
@@ -458,13 +451,15 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
             _reset_logs(stage_dir)
     if qad["grad_checkpointing"]:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if wants_compile(qad["compile"], str(device)):
+        lm.get_decoder().compile()   # in place: parameter names, checkpoints and exports are unchanged
     init_amax = grid.grid_amax(lm)
 
     # -- optimiser: every student parameter (as the reference: no freezing); the grid is buffers
     student = Distillee(lm)
     optimizer = make_optimizer(student.parameters(), qad)
     warmup = math.ceil(qad["warmup_ratio"] * qad["max_steps"])
-    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, qad["max_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(qad["max_steps"], warmup, from_zero=True))
     # the scheduler stays unprepared: it counts optimiser steps, whatever the process count
     student, optimizer = accelerator.prepare(student, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -478,7 +473,7 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
         accelerator.load_state(str(ckpt_root / f"step-{resume_from}" / "state"))
         start = resume_from
         if old_max_steps is not None:
-            _apply_schedule(scheduler)
+            apply_schedule(scheduler)
             if main:
                 print(f"QAD: qad.max_steps changed from {old_max_steps} to {qad['max_steps']}: from step "
                       f"{resume_from} on, the learning rate follows the cosine schedule over {qad['max_steps']} "

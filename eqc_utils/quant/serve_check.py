@@ -12,18 +12,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eqc_utils.compare import GreedyRun, compare_runs, complete_greedy
+from eqc_utils.compare import GreedyRun, compare_runs
+from eqc_utils.serving.greedy import serve_greedy
 
 
 def greedy_runs(model_dir: Path, prompts: list[str] | list[list[int]], max_tokens: int, vllm_args: dict, *,
                 margins: bool = False, log_dir: Path | None = None, device: str = "auto") -> list[GreedyRun]:
     """Greedy completions (token ids, text; with `margins` also the top-2 log-prob margins) of
     `prompts` from one vLLM server for `model_dir`, requests sent one at a time."""
-    from eqc_utils.serving.launcher import VLLMServers
-
-    with VLLMServers(model_dir, n=1, served_name="target", extra_args=vllm_args, log_dir=log_dir,
-                     device=device) as servers:
-        return [complete_greedy(servers.base_urls[0], p, max_tokens, margins=margins) for p in prompts]
+    return serve_greedy(model_dir, prompts, max_tokens, vllm_args, log_dir=log_dir, device=device,
+                        margins=margins)["runs"]
 
 
 def pack_serves_like_twin(ct_dir: Path, dense_dir: Path, prompts: list[str], max_tokens: int,

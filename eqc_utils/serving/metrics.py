@@ -74,7 +74,7 @@ class SpecCounters:
                    metric_total(samples, ACCEPTED), dict(sorted(per_pos.items())))
 
     def as_dict(self) -> dict[str, float]:
-        """By metric name, as `drafter.serve_check.spec_counters` reports them."""
+        """By metric name (the three totals)."""
         return {DRAFTS: self.drafts, DRAFT_TOKENS: self.draft_tokens, ACCEPTED: self.accepted}
 
     def __sub__(self, before: "SpecCounters") -> "SpecCounters":

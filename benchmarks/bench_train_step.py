@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Training-step speed of the two trained parts, each configuration side by side in one process.
+
+    # one H200, the small profile's shapes, SmolLM2-135M's architecture with random weights (no download):
+    python benchmarks/bench_train_step.py
+    # CPU smoke (seconds; not a speed claim):
+    python benchmarks/bench_train_step.py --device cpu --seq 128 --batch 2 --anchors 16 --qad-batch 1 --repeats 2 --no-compile
+
+Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 5 layers, block 16, 256 anchors,
+8 x 1,024 tokens per micro-batch), in three configurations:
+  plain           autograd cross-entropy through the frozen head, chunk by chunk (drafter.fused_loss false)
+  fused           the head's gradient computed in the forward pass (objective.fused_head_loss): no stored logits
+  fused+compile   and the drafter compiled in place (drafter.compile), the loss chunks compiled
+Batches alternate between two lengths (--seq and --seq minus 128) as real, padded batches do, so compiled code
+must handle changing shapes. The first step of each configuration's losses is compared with `plain`'s.
+QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
+8 x 1,024 tokens): gradient checkpointing on/off x compile of the student's decoder off/on (qad.compile).
+Needs nvidia-modelopt (the INT4 quantisers).
+
+MFU = model FLOPs / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM); model FLOPs:
+drafter 2 x (target layers used) x context tokens + 6 x drafter x block positions + 4 x hidden x vocab x scored
+positions (head forward + input gradient); QAD 8 x parameters x tokens (teacher forward + student forward/backward).
+Writes benchmarks/results/train_step_<device>.json (machine, versions, date, arguments, results).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eqc_utils.devices import resolve_device  # noqa: E402
+from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for  # noqa: E402
+from eqc_utils.drafter.train import drafter_step  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def random_target(device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
+    return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def batches(args, device: str) -> list[dict]:
+    """Two synthetic chat-shaped batches: a 64-token prompt, then assistant tokens (scored) to the end."""
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    for length in (args.seq, args.seq - 128):
+        ids = torch.randint(100, SMOLLM2["vocab_size"], (args.batch, length), generator=gen)
+        loss_mask = torch.ones_like(ids)
+        loss_mask[:, :64] = 0
+        out.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+                    "loss_mask": loss_mask.to(device)})
+    return out
+
+
+def drafter_flops(target, drafter, batch: dict, args, scored: int) -> float:
+    used_layers = max(drafter.config.target_layer_ids) + 1
+    per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    context = batch["input_ids"].numel()
+    positions = args.batch * args.anchors * args.block
+    cfg = target.config
+    return (2 * used_layers * per_layer * context + 6 * sum(p.numel() for p in drafter.parameters()) * positions
+            + 4 * cfg.hidden_size * cfg.vocab_size * scored)
+
+
+def bench_drafter(args, device: str) -> list[dict]:
+    target = random_target(device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block, target_layer_ids=None,
+                             mask_token_id=16)
+    torch.manual_seed(0)
+    init = DFlashDrafter(cfg).to(device)
+    data = batches(args, device)
+    configs = [("plain", False, False), ("fused", True, False), ("fused+compile", True, True)]
+    configs = [c for c in configs if not (args.no_compile and c[2])]
+    rows, first_losses = [], {}
+    for name, fused, compiled in configs:
+        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
+             "compiled": compiled}
+        drafter = copy.deepcopy(init)
+        if compiled:
+            drafter.compile(dynamic=True)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+        reset_peak(device)
+        times, scored, losses = [], [], []
+        try:
+            for i in range(args.warmup + args.repeats):
+                batch = data[i % 2]
+                generator = torch.Generator().manual_seed(i)
+                sync(device)
+                start = time.perf_counter()
+                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+                    loss, stats = drafter_step(drafter, target, batch, P, generator)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+                    scored.append(stats["scored"])
+                losses.append(float(loss.detach()))
+        except Exception as error:   # report and go on: the other configurations still measure
+            traceback.print_exc()
+            rows.append({"part": "drafter", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
+            continue
+        step = statistics.median(times)
+        first_losses[name] = losses[0]
+        flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)))
+        rows.append({"part": "drafter", "config": name, "step_s": round(step, 4),
+                     "context_tokens_per_s": round(args.batch * (args.seq - 64) / step),
+                     "block_positions_per_s": round(args.batch * args.anchors * args.block / step),
+                     "peak_gib": peak_gib(device), "mfu": flops / step / (args.peak_tflops * 1e12),
+                     "first_loss": losses[0], "loss_rel_diff_vs_plain":
+                         abs(losses[0] - first_losses["plain"]) / first_losses["plain"] if "plain" in first_losses else None})
+        del drafter, optimizer
+    base = next((r["step_s"] for r in rows if r["config"] == "plain" and "step_s" in r), None)
+    for r in rows:
+        if base and "step_s" in r:
+            r["speedup_vs_plain"] = round(base / r["step_s"], 2)
+    return rows
+
+
+def bench_qad(args, device: str) -> list[dict]:
+    from eqc_utils.params import load_params
+    from eqc_utils.quant import grid
+    from eqc_utils.quant.kl import chunked_forward_kl
+    from eqc_utils.quant.qad import Distillee, teacher_hidden
+
+    quant = {**load_params("small")["quant"], "min_quantized_modules": 1}
+    teacher = random_target(device, torch.float32)
+    n_params = sum(p.numel() for p in teacher.parameters())
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(100, SMOLLM2["vocab_size"], (args.qad_batch, args.seq), generator=gen).to(device)
+    weights = torch.ones(args.qad_batch, args.seq, device=device)
+    rows = []
+    for checkpointing, compiled in [(True, False), (False, False), (True, True), (False, True)]:
+        if compiled and args.no_compile:
+            continue
+        name = f"{'ckpt' if checkpointing else 'no-ckpt'}{'+compile' if compiled else ''}"
+        lm = copy.deepcopy(teacher).train().requires_grad_(True)
+        grid.attach_int4_quantizers(lm, quant)
+        if checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compiled:
+            lm.get_decoder().compile()
+        student = Distillee(lm)
+        optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
+        reset_peak(device)
+        times, losses = [], []
+        try:
+            for i in range(args.warmup + args.repeats):
+                sync(device)
+                start = time.perf_counter()
+                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+                    loss = chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, student.head,
+                                              teacher.get_output_embeddings(), 1.0, args.kl_chunk)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
+        except Exception as error:
+            traceback.print_exc()
+            rows.append({"part": "qad", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
+            continue
+        step = statistics.median(times)
+        rows.append({"part": "qad", "config": name, "step_s": round(step, 4),
+                     "tokens_per_s": round(ids.numel() / step), "peak_gib": peak_gib(device),
+                     "mfu": 8 * n_params * ids.numel() / step / (args.peak_tflops * 1e12), "first_loss": losses[0]})
+        del lm, student, optimizer
+    base = next((r["step_s"] for r in rows if r["config"] == "ckpt" and "step_s" in r), None)
+    for r in rows:
+        if base and "step_s" in r:
+            r["speedup_vs_ckpt"] = round(base / r["step_s"], 2)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--only", choices=["drafter", "qad"])
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="drafter sequences per micro-batch (small: 8)")
+    ap.add_argument("--anchors", type=int, default=256)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--qad-batch", type=int, default=8, help="QAD sequences per micro-batch (small: 8)")
+    ap.add_argument("--kl-chunk", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled configurations (CPU smoke)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    rows = []
+    if args.only in (None, "drafter"):
+        rows += bench_drafter(args, device)
+    if args.only in (None, "qad"):
+        rows += bench_qad(args, device)
+    keys = ["part", "config", "step_s", "speedup_vs_plain", "speedup_vs_ckpt", "mfu", "peak_gib", "first_loss", "error"]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join("" if r.get(k) is None else f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
+                         for k in keys))
+    import transformers
+    out = args.out or RESULTS_DIR / f"train_step_{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "machine": {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
+                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "arguments": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
