@@ -3,8 +3,10 @@
 
     # one H200, the small profile's shapes, SmolLM2-135M's architecture with random weights (no download):
     python benchmarks/bench_train_step.py
-    # CPU smoke (seconds; not a speed claim):
-    python benchmarks/bench_train_step.py --device cpu --seq 128 --batch 2 --anchors 16 --qad-batch 1 --repeats 2 --no-compile
+    # CPU smoke (about a minute; not a speed claim; --seq must leave room for a block after the 64-token prompt
+    # in the shorter batch, i.e. exceed 192 + --block):
+    python benchmarks/bench_train_step.py --device cpu --seq 256 --batch 2 --anchors 8 --block 8 --layers 1 --qad-batch 1 \\
+        --warmup 1 --repeats 1 --no-compile
 
 Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 5 layers, block 16, 256 anchors,
 8 x 1,024 tokens per micro-batch), in three configurations:
@@ -95,6 +97,26 @@ def drafter_flops(target, drafter, batch: dict, args, scored: int) -> float:
             + 4 * cfg.hidden_size * cfg.vocab_size * scored)
 
 
+def timed_steps(step_loss, optimizer, args, device: str) -> tuple[list[float], list[float], list[dict]]:
+    """--warmup untimed then --repeats timed optimiser steps; `step_loss(i)` returns (loss, stats) for step i.
+    Returns the timed steps' seconds, every step's loss and the timed steps' stats."""
+    times, losses, stats_seen = [], [], []
+    for i in range(args.warmup + args.repeats):
+        sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+            loss, stats = step_loss(i)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+            stats_seen.append(stats)
+        losses.append(float(loss.detach()))
+    return times, losses, stats_seen
+
+
 def bench_drafter(args, device: str) -> list[dict]:
     target = random_target(device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block, target_layer_ids=None,
@@ -113,23 +135,11 @@ def bench_drafter(args, device: str) -> list[dict]:
             drafter.compile(dynamic=True)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         reset_peak(device)
-        times, scored, losses = [], [], []
         try:
-            for i in range(args.warmup + args.repeats):
-                batch = data[i % 2]
-                generator = torch.Generator().manual_seed(i)
-                sync(device)
-                start = time.perf_counter()
-                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
-                    loss, stats = drafter_step(drafter, target, batch, P, generator)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sync(device)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - start)
-                    scored.append(stats["scored"])
-                losses.append(float(loss.detach()))
+            def step_loss(i, drafter=drafter):   # batches alternate lengths; anchors drawn per step
+                return drafter_step(drafter, target, data[i % 2], P, torch.Generator().manual_seed(i))
+            times, losses, stats = timed_steps(step_loss, optimizer, args, device)
+            scored = [s["scored"] for s in stats]
         except Exception as error:   # report and go on: the other configurations still measure
             traceback.print_exc()
             rows.append({"part": "drafter", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
@@ -177,21 +187,11 @@ def bench_qad(args, device: str) -> list[dict]:
         student = Distillee(lm)
         optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
         reset_peak(device)
-        times, losses = [], []
         try:
-            for i in range(args.warmup + args.repeats):
-                sync(device)
-                start = time.perf_counter()
-                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
-                    loss = chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, student.head,
-                                              teacher.get_output_embeddings(), 1.0, args.kl_chunk)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sync(device)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - start)
-                losses.append(float(loss.detach()))
+            def step_loss(i, student=student):
+                return chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, student.head,
+                                          teacher.get_output_embeddings(), 1.0, args.kl_chunk), {}
+            times, losses, _ = timed_steps(step_loss, optimizer, args, device)
         except Exception as error:
             traceback.print_exc()
             rows.append({"part": "qad", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})

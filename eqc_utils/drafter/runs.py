@@ -72,7 +72,7 @@ def measure_drafter(drafter_dir: Path, target, prompts: list[list[int]], stops: 
     device = next(target.parameters()).device
     drafter = load_drafter(drafter_dir, device=device, dtype=next(target.parameters()).dtype)
     proposer = DFlashProposer(drafter, target, block_size)
-    if fast if fast is not None else device.type == "cuda":
+    if device.type == "cuda" if fast is None else fast:
         try:
             return measure_acceptance_fast(target, proposer, prompts, P["eval_max_new_tokens"], stops,
                                            temperature=P["eval_temperature"], compile=device.type == "cuda")
