@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import statistics
@@ -216,7 +217,11 @@ def main() -> None:
     ap.add_argument("--profile", default="small", help="params profile whose generation section is the base")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/generation_<device>.json)")
+    ap.add_argument("--rounds", action="store_true", help="log every batch round (shape, steps, tokens, seconds)")
     args = ap.parse_args()
+    if args.rounds:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger(generation_hf.__name__).setLevel(logging.INFO)
 
     from eqc_utils.devices import resolve_device
     device = resolve_device(args.device)

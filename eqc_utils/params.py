@@ -190,6 +190,7 @@ SCHEMA: dict = {
         "fused_loss": bool,                # the head's gradient computed chunk by chunk in the forward: no stored logits
         "compile": OneOf("auto", "on", "off"),  # torch.compile the drafter (and the fused loss); auto = on CUDA only
         "save_every": int,                 # optimiser steps between checkpoints (each gets a tau measurement)
+        "keep_last_ckpts": int,            # newest checkpoints kept resumable; older ones keep only drafter/ (0 = all)
         "log_every": int,
         "resume": bool,                    # continue from the newest checkpoint of an identical run
         "run_direct": bool,                # 07 also trains the ablation: from scratch on QAD data

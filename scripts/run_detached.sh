@@ -33,8 +33,8 @@ show_progress() {
   for f in runs/"$profile"/03_qad_target/train_log.jsonl runs/"$profile"/03_qad_target/eval_log.jsonl; do
     [ -f "$f" ] && { echo "== $f"; tail -n 2 "$f"; }
   done
-  for f in runs/"$profile"/0[67]_drafter_*/*/history.json; do
-    [ -f "$f" ] && { echo "== $f"; python3 -c "import json, sys; print((json.load(open(sys.argv[1])) or ['empty'])[-1])" "$f"; }
+  for f in runs/"$profile"/0[67]_drafter_*/*/history.jsonl; do
+    [ -f "$f" ] && { echo "== $f"; tail -n 1 "$f"; }
   done
   for f in "$LOGS"/stage_*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f"; }; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
@@ -44,7 +44,7 @@ collect() {  # metrics, logs, figures and reports; weights and partial files sta
   local dest=$1
   mkdir -p "$dest"
   tar czf "$dest/results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.partial' \
-    runs/"$profile"/*/*.json runs/"$profile"/*/*/*.json runs/"$profile"/*/*.jsonl runs/"$profile"/*/*.png \
+    runs/"$profile"/*/*.json runs/"$profile"/*/*/*.json runs/"$profile"/*/*.jsonl runs/"$profile"/*/*/*.jsonl runs/"$profile"/*/*.png \
     runs/"$profile"/*/params.resolved.yaml runs/_figures "$LOGS" reports/"$profile" 2>/dev/null
   ls -la "$dest/results.tar.gz"
 }

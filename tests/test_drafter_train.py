@@ -6,9 +6,9 @@ import torch
 from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.runs import measure_drafter, prompt_ids, stop_ids, train_run
-from eqc_utils.drafter.train import checkpoint_steps, load_target
+from eqc_utils.drafter.train import checkpoint_steps, load_target, read_history
 from _fixtures_generation import needs_vllm
-from tests._fixtures_drafter import tiny_params
+from _fixtures_drafter import tiny_params
 
 def test_heldout_rows_depend_on_ids_not_on_file_order():
     rows = [{"id": f"row-{i}", "n": i} for i in range(50)]
@@ -69,13 +69,16 @@ def test_interrupted_training_resumes_to_the_same_result(chain_target_dir, token
     P = tiny_params(max_steps=6, save_every=2, log_every=1)
     straight = train_run("resume", chain_target_dir, path, out, P, tokenizer, device="cpu")
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 6]
+    # drafter.keep_last_ckpts = 2: older checkpoints keep their drafter (tau is measured on each), not their state
+    assert sorted(p.name for p in (out / "checkpoints" / "step-2").iterdir()) == ["drafter", "meta.json"]
+    assert (out / "checkpoints" / "step-4" / "state").is_dir() and (out / "history.jsonl").exists()
     want = load_drafter(straight.final).state_dict()
     # pretend the run died after step 4
-    shutil.rmtree(out / "checkpoints" / "step_000006")
+    shutil.rmtree(out / "checkpoints" / "step-6")
     shutil.rmtree(out / "drafter")
     logs = []
     resumed = train_run("resume", chain_target_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
-    assert any("resuming from step_000004" in line for line in logs)
+    assert any("resuming from step-4" in line for line in logs)
     assert [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5, 6]
     got = load_drafter(resumed.final).state_dict()
     for name in want:
@@ -87,8 +90,10 @@ def test_interrupted_training_resumes_to_the_same_result(chain_target_dir, token
     assert not any("resuming" in line for line in logs)
     assert any("drafter.lr: 0.003 -> 0.0001" in line and "starting afresh" in line for line in logs), logs
     [stale] = out.glob("checkpoints.stale-*")
-    assert [p.name for p in sorted(stale.iterdir())] == ["step_000002", "step_000004", "step_000006"]
+    assert [p.name for p in sorted(stale.iterdir())] == ["step-2", "step-4", "step-6"]
     assert [s for s, _ in checkpoint_steps(out)] == [2]
+    [old_history] = out.glob("history.jsonl.stale-*")
+    assert [h["step"] for h in read_history(out)] == [2] and len(old_history.read_text().splitlines()) == 6
 
 
 def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, tokenizer, corpus, tmp_path):
@@ -99,23 +104,40 @@ def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, 
     out = tmp_path / "run"
     train_run("keep", chain_target_dir, path, out, tiny_params(max_steps=4, save_every=2, log_every=1), tokenizer,
               device="cpu")
-    kept = (out / "checkpoints" / "step_000004").stat().st_ino
+    kept = (out / "checkpoints" / "step-4").stat().st_ino
     logs = []
     P = tiny_params(max_steps=6, save_every=1, log_every=1, vllm_prompts=3, vllm_check=False, eval_max_new_tokens=8,
                     vllm_args={"max-model-len": 256}, eval_temperature=0.5)
     result = train_run("keep", chain_target_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
-    assert any("resuming from step_000004" in line for line in logs), logs
+    assert any("resuming from step-4" in line for line in logs), logs
     assert any("schedule length changed from 4 to 6 steps" in line for line in logs), logs
-    assert (out / "checkpoints" / "step_000004").stat().st_ino == kept and not list(out.glob("*.stale-*"))
+    assert (out / "checkpoints" / "step-4").stat().st_ino == kept and not list(out.glob("*.stale-*"))
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 5, 6]
     assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5, 6]
     assert result.history[4]["lr"] == pytest.approx(P["lr"] * warmup_cosine(6, max(1, int(P["warmup_ratio"] * 6)))(5))
     logs.clear()
     train_run("keep", chain_target_dir, path, out, dict(P, max_steps=5), tokenizer, device="cpu", log=logs.append)
-    assert any("resuming from step_000005" in line for line in logs), logs
+    assert any("resuming from step-5" in line for line in logs), logs
     [stale] = out.glob("checkpoints.stale-*")
-    assert [p.name for p in stale.iterdir()] == ["step_000006"]
+    assert [p.name for p in stale.iterdir()] == ["step-6"]
     assert [s for s, _ in checkpoint_steps(out)] == [2, 4, 5]
+
+
+def test_checkpoints_of_an_earlier_format_are_moved_aside(chain_target_dir, tokenizer, corpus, tmp_path):
+    """Earlier versions kept checkpoints/step_<6 digits>/ and history.json: not resumed, moved aside, said so."""
+    path, _ = corpus
+    out = tmp_path / "run"
+    old = out / "checkpoints" / f"step_{2:06d}"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    (out / "history.json").write_text("[]")
+    logs = []
+    train_run("legacy", chain_target_dir, path, out, tiny_params(max_steps=2, save_every=2), tokenizer, device="cpu",
+              log=logs.append)
+    assert any("earlier version" in line and "starting afresh" in line for line in logs), logs
+    [stale] = out.glob("checkpoints.stale-*")
+    assert [p.name for p in stale.iterdir()] == [old.name] and list(out.glob("history.json.stale-*"))
+    assert [s for s, _ in checkpoint_steps(out)] == [2] and [h["step"] for h in read_history(out)] == [2]
 
 
 def test_fused_and_plain_loss_give_one_step(chain_target_dir, tokenizer, corpus):

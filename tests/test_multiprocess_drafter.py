@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
+from safetensors.torch import load_file
 
 from eqc_utils import io
 from eqc_utils.drafter.train import checkpoint_steps, read_history
@@ -60,16 +60,18 @@ def test_two_cpu_processes_train_save_and_resume(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "world 2" in first.stdout + first.stderr
     assert [s for s, _ in checkpoint_steps(out)] == [1, 2, 3]
-    final_weights = torch.load(out / "checkpoints" / "step_000003" / "training_state.pt", weights_only=False)["weights"]
+    # the fp32 weights accelerate saved (the exported drafter/ is bf16)
+    final_weights = load_file(out / "checkpoints" / "step-3" / "state" / "model.safetensors")
+    assert (out / "checkpoints" / "step-3" / "drafter" / "config.json").exists()
 
     # interrupt after step 2: drop the last checkpoint and the final drafter, launch again
-    shutil.rmtree(out / "checkpoints" / "step_000003")
+    shutil.rmtree(out / "checkpoints" / "step-3")
     shutil.rmtree(out / "drafter")
     second = _launch(profile, target, data, out, tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resuming from step_000002" in second.stdout + second.stderr
+    assert "resuming from step-2" in second.stdout + second.stderr
     assert [h["step"] for h in read_history(out)] == [1, 2, 3]
-    resumed = torch.load(out / "checkpoints" / "step_000003" / "training_state.pt", weights_only=False)["weights"]
+    resumed = load_file(out / "checkpoints" / "step-3" / "state" / "model.safetensors")
     # same data order and optimiser state; anchors are drawn per rank, so allow float noise only
     worst = max(float((final_weights[k] - resumed[k]).abs().max()) for k in final_weights)
     assert worst < 1e-4, worst

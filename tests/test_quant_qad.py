@@ -175,7 +175,7 @@ def test_logging_saving_launching_and_longer_runs_keep_everything(teacher, tmp_p
     assert [r["step"] for r in train_log] == [1, 2, 3, 4]
     # no warmup: after step 3 the cosine over 4 steps gives lr * (1 + cos(3 pi / 4)) / 2 (over 2 steps: lr / 2)
     assert train_log[2]["lr"] == pytest.approx(1e-3 * (1 + math.cos(3 * math.pi / 4)) / 2)
-    assert summary["schedule"] == [{"from_step": 0, "max_steps": 2}, {"from_step": 2, "max_steps": 4}]
+    assert summary["schedule"] == [{"from_step": 0, "total_steps": 2}, {"from_step": 2, "total_steps": 4}]
     # a shorter run resumes from the newest checkpoint it can use; the later one is moved aside, not resumed
     qad.train_qad(micro_params(max_steps=3, save_every=2), root, teacher)
     assert qad.checkpoint_steps(root / "ckpts") == [2, 3]

@@ -156,7 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument("--name", required=True, help="pretrain, finetune or direct")
     ap.add_argument("--target", required=True, help="folder of the frozen target")
     ap.add_argument("--data", required=True, help="training conversations (JSONL)")
-    ap.add_argument("--out", required=True, help="run folder (checkpoints/, drafter/, history.json)")
+    ap.add_argument("--out", required=True, help="run folder (checkpoints/, drafter/, history.jsonl)")
     ap.add_argument("--init-from", default=None, help="warm start from this drafter folder")
     args = ap.parse_args(argv)
     params = load_params(args.profile, json.loads(args.overrides))

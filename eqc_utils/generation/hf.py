@@ -134,7 +134,12 @@ def run_batches(lm, sequences: list[Sequence], gen: dict, pad_id: int, eos_ids: 
         budgets = [gen["max_tokens"] - len(a.tokens) for a in batch]
         inputs = [a.seq.ids + a.tokens for a in batch]
         cache_len = static_cache_len(inputs, max(budgets)) if static_cache else None
+        round_started = time.monotonic()
         news = generate_round(lm, inputs, budgets, gen, pad_id, eos_ids, share, cache_len)
+        # per-round shape and time: where a stage's time goes (compiles of new shapes, idle finished places)
+        log.info("round: %d sequences, width %d, cache %s, %d steps, %d new tokens, %.1f s", len(batch),
+                 max(len(ids) for ids in inputs), cache_len, max(map(len, news)), sum(map(len, news)),
+                 time.monotonic() - round_started)
         unfinished = []
         for answering, new_ids in zip(batch, news):
             answering.tokens += new_ids

@@ -8,9 +8,12 @@
                   subprocess whose log is streamed
 
 Files under the stage folder: inputs.json (the settings each artifact was made with), data/{train,val}.pt,
-ptq_ct/ (the PTQ baseline), gate.json, train_log.jsonl, eval_log.jsonl, ckpts/step-N/{state/,student/,
-meta.json}, qad_student/ (final latent weights + grid_amax.safetensors), summary.json. Artifacts that no
-longer match the settings are never deleted: they are renamed `<name>.stale-<YYYYmmdd-HHMMSS>` (see LAYERS).
+ptq_ct/ (the PTQ baseline), gate.json, train_log.jsonl and eval_log.jsonl (one row per logged or evaluated
+step), ckpts/step-N/ (the checkpoint layout of eqc_utils.training, shared with the drafter: state/ from
+accelerate's save_state, student/ = the exported latent weights + grid, meta.json written last),
+qad_student/ (final latent weights + grid_amax.safetensors), summary.json. Artifacts that no longer match
+the settings are never deleted: they are renamed `<name>.stale-<YYYYmmdd-HHMMSS>` (see LAYERS); checkpoints a
+run does not continue go into `ckpts.stale-<YYYYmmdd-HHMMSS>/`.
 """
 from __future__ import annotations
 
@@ -19,23 +22,24 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from eqc_utils.devices import resolve_device, wants_compile
-from eqc_utils.io import atomic_path, describe_changes, move_aside, read_json, stale_name, write_json
+from eqc_utils.io import atomic_path, describe_changes, move_aside, read_json, write_json
 from eqc_utils.quant import grid
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
-from eqc_utils.training import apply_schedule, warmup_cosine
 from eqc_utils.quant.ptq import awq_pack, dense_ptq_model, load_causal_lm, resolve_pack, student_from_pack
+from eqc_utils.training import CheckpointDir, JsonlLog, ResumePlan, apply_schedule, plan_resume, warmup_cosine
 
 STAGE = "03_qad_target"
 GRID_FILE = "grid_amax.safetensors"
@@ -263,14 +267,20 @@ def mixed_precision(params: dict) -> str:
     return "bf16" if params["device"] != "cpu" and torch.cuda.is_available() else "no"
 
 
-# ---------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------- checkpoints (layout: eqc_utils.training)
+
+CKPTS_DIR = "ckpts"
+EXPORT_DIR = "student"
+LOGS = ("train_log.jsonl", "eval_log.jsonl")
+
+
+def _checkpoints(ckpt_root: Path) -> CheckpointDir:
+    return CheckpointDir(ckpt_root, export=EXPORT_DIR)
+
 
 def checkpoint_steps(ckpt_root: Path) -> list[int]:
     """Steps of complete checkpoints (meta.json is written last)."""
-    if not ckpt_root.exists():
-        return []
-    return sorted(int(m.group(1)) for p in ckpt_root.glob("step-*")
-                  if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "meta.json").exists())
+    return _checkpoints(Path(ckpt_root)).steps()
 
 
 def export_student(lm: nn.Module, out: Path, sidecars_from: Path) -> None:
@@ -340,219 +350,249 @@ def _current_trajectory(params: dict, stage_dir: Path) -> dict:
     return trajectory_layer(params, inputs.get("data", {}).get("digest"), inputs.get("init", {}).get("digest"))
 
 
-def _resume_point(ckpt_root: Path, qad: dict, trajectory: dict, deepspeed: bool, world: int):
-    """(step, meta.json) of the checkpoint to resume from, or (None, None) for a fresh start: the newest
-    checkpoint at or before qad.max_steps. Checkpoints of other settings were moved aside by prepare_qad;
-    meeting one here (train_qad run without it) or one in another checkpoint format is an error."""
-    usable = [s for s in checkpoint_steps(ckpt_root) if s <= qad["max_steps"]]
-    if not qad["resume"] or not usable:
-        return None, None
-    step = usable[-1]
-    folder = ckpt_root / f"step-{step}"
-    meta = read_json(folder / "meta.json")
-    saved = meta.get("trajectory")   # absent in checkpoints of earlier versions
-    if saved is not None and saved["digest"] != trajectory["digest"]:
-        changes = describe_changes(saved["settings"], trajectory["settings"])
-        raise QADError(f"{folder} was made with other settings ({changes}); run prepare_qad first (it moves "
-                       "such checkpoints aside) or set qad.resume=false")
-    saved_ds = meta.get("deepspeed", deepspeed)
-    if saved_ds != deepspeed or (deepspeed and meta.get("processes", world) != world):
-        raise QADError(f"{folder} was saved {'with' if saved_ds else 'without'} DeepSpeed on "
-                       f"{meta.get('processes')} process(es); this run is {'with' if deepspeed else 'without'} "
-                       f"DeepSpeed on {world}: launch it as before (qad.launcher, qad.deepspeed, qad.num_processes), "
-                       "or set qad.resume=false to start afresh (the checkpoints are then moved aside)")
-    return step, meta
-
-
-def _horizons(meta: dict | None, resume_from: int | None, max_steps: int) -> tuple[list[dict], int | None]:
-    """The schedule horizons of the run so far ([{from_step, max_steps}, ...]) and the previous max_steps
-    when this run changes it (else None).
-
-    The cosine schedule spans qad.max_steps, so extending (or shortening) a run changes the schedule. The
-    checkpoints stay valid starting points, so the run resumes from the newest one at or before max_steps and
-    the learning rate follows the new schedule from there; the steps before followed the old one. Each
-    checkpoint's meta.json and summary.json record these horizons; qad.resume=false gives one schedule."""
-    fresh = [{"from_step": 0, "max_steps": max_steps}]
-    if meta is None:
-        return fresh, None
-    before = meta.get("horizons") or fresh        # checkpoints of earlier versions: not recorded
-    if before[-1]["max_steps"] == max_steps:
-        return before, None
-    return before + [{"from_step": resume_from, "max_steps": max_steps}], before[-1]["max_steps"]
-
-
-def _move_later_checkpoints(stage_dir: Path, after: int, why: str) -> None:
-    """Checkpoints after the step this run starts from belong to a run it does not continue: move them
-    (with copies of the logs) into `ckpts.stale-<time>/`."""
-    ckpt_root = stage_dir / "ckpts"
-    later = [s for s in checkpoint_steps(ckpt_root) if s > after]
-    if not later:
-        return
-    dest = stale_name(ckpt_root)
-    dest.mkdir()
-    for step in later:
-        os.replace(ckpt_root / f"step-{step}", dest / f"step-{step}")
-    for name in ("train_log.jsonl", "eval_log.jsonl", "summary.json", "gate.json"):
-        if (stage_dir / name).exists():
-            shutil.copy2(stage_dir / name, dest / name)
-    print(f"QAD: {why}: checkpoints {later} moved aside to {dest} (delete it once no longer needed)", flush=True)
-
-
 # ---------------------------------------------------------------- the training function
+
+@dataclass
+class _Session:
+    """What one QAD process holds while it trains (the optimiser side is set by `_prepare`)."""
+    params: dict
+    stage_dir: Path
+    teacher_path: Path
+    accelerator: Any
+    deepspeed: bool
+    train: dict
+    val: dict
+    eval_n: int                  # held-out chunks evaluated
+    pack_dir: Path
+    teacher: nn.Module
+    lm: nn.Module                # the student's causal LM (inside `student` once prepared)
+    trajectory: dict
+    ckpts: CheckpointDir
+    train_log: JsonlLog
+    eval_log: JsonlLog
+    horizons: list[dict] = field(default_factory=list)
+    student: Any = None          # Distillee(lm), prepared by accelerate
+    inner: Any = None            # the same, unwrapped
+    optimizer: Any = None
+    scheduler: Any = None
+    init_amax: dict | None = None
+
+    @property
+    def qad(self) -> dict:
+        return self.params["qad"]
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
 
 def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int | None = None) -> dict:
     """The QAD run. Every process of an `accelerate launch` runs this same function."""
-    from accelerate import Accelerator, DistributedType
     from tqdm.auto import tqdm
 
+    s = _setup(params, Path(stage_dir), Path(teacher_path))
+    plan = _plan(s)
+    if plan.step is None:
+        _start_gate(s)
+    _prepare(s)
+    start = 0 if plan.step is None else _restore(s, plan)
+    if start == 0:
+        _evaluate(s, 0)   # step 0 = the PTQ baseline on the held-out chunks
+    qad = s.qad
+    last = qad["max_steps"] if stop_after is None else min(stop_after, qad["max_steps"])
+    bar = tqdm(range(start, last), desc="QAD", disable=not s.main, initial=start, total=qad["max_steps"])
+    started = time.time()
+    for step in bar:
+        loss, grad_norm = _optimiser_step(s, step)
+        done = step + 1
+        if s.main and (done % qad["log_every"] == 0 or done == last):
+            s.train_log.append({"step": done, "loss": loss, "lr": s.scheduler.get_last_lr()[0],
+                                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                                "seconds": round(time.time() - started, 2)})
+            bar.set_postfix(loss=f"{loss:.4f}")
+        if done % qad["eval_every"] == 0 or done == qad["max_steps"]:
+            _evaluate(s, done)
+        if done % qad["save_every"] == 0 or done == qad["max_steps"]:
+            _save(s, done)
+    s.accelerator.wait_for_everyone()
+    return _finish(s, last)
+
+
+def _setup(params: dict, stage_dir: Path, teacher_path: Path) -> _Session:
+    """The accelerator, the packed data, the frozen teacher and the student pinned to the init grid."""
+    from accelerate import Accelerator, DistributedType
+
     qad, quant = params["qad"], params["quant"]
-    # -- distribution: effective batch = micro x grad_accum_steps sequences, whatever the process count
+    # effective batch = micro x grad_accum_steps sequences, whatever the process count
     accelerator = Accelerator(mixed_precision=mixed_precision(params), cpu=params["device"] == "cpu",
                               gradient_accumulation_steps=_per_process_accum(qad, int(os.environ.get("WORLD_SIZE", 1))))
-    world, rank = accelerator.num_processes, accelerator.process_index
-    accum = accelerator.gradient_accumulation_steps
-    device = accelerator.device
-    main = accelerator.is_main_process
-    if main:
-        print(f"QAD: {world} process(es) on {device}, {accum} accumulation step(s) per process", flush=True)
+    if accelerator.is_main_process:
+        print(f"QAD: {accelerator.num_processes} process(es) on {accelerator.device}, "
+              f"{accelerator.gradient_accumulation_steps} accumulation step(s) per process", flush=True)
     torch.manual_seed(params["seed"])
-
-    # -- data
     train = torch.load(stage_dir / "data" / "train.pt")
     val = torch.load(stage_dir / "data" / "val.pt")
     eval_n = val["input_ids"].shape[0] if qad["eval_chunks"] is None else min(qad["eval_chunks"], val["input_ids"].shape[0])
-
-    # -- models: the frozen teacher, and the student pinned to the init grid
     pack_dir = init_pack_dir(params, stage_dir, teacher_path)
-    teacher = load_causal_lm(teacher_path).to(device).eval().requires_grad_(False)
+    teacher = load_causal_lm(teacher_path).to(accelerator.device).eval().requires_grad_(False)
     lm, _ = student_from_pack(teacher_path, pack_dir, quant)
     check_same_vocab(lm.get_output_embeddings(), teacher.get_output_embeddings())
-    lm.to(device)
-    ckpt_root = stage_dir / "ckpts"
-    ds = accelerator.distributed_type == DistributedType.DEEPSPEED
-    trajectory = _current_trajectory(params, stage_dir)
-    resume_from, meta = _resume_point(ckpt_root, qad, trajectory, ds, world)
-    horizons, old_max_steps = _horizons(meta, resume_from, qad["max_steps"])
-    accelerator.wait_for_everyone()   # every process has chosen before anything is moved
-    if main:
-        _move_later_checkpoints(stage_dir, resume_from or 0,
-                                "qad.resume is false" if not qad["resume"] else
-                                f"resuming from step {resume_from} (qad.max_steps = {qad['max_steps']})"
-                                if resume_from else f"no checkpoint at or before qad.max_steps = {qad['max_steps']}")
-    accelerator.wait_for_everyone()
+    return _Session(params=params, stage_dir=stage_dir, teacher_path=teacher_path, accelerator=accelerator,
+                    deepspeed=accelerator.distributed_type == DistributedType.DEEPSPEED, train=train, val=val,
+                    eval_n=eval_n, pack_dir=pack_dir, teacher=teacher, lm=lm.to(accelerator.device),
+                    trajectory=_current_trajectory(params, stage_dir), ckpts=_checkpoints(stage_dir / CKPTS_DIR),
+                    train_log=JsonlLog(stage_dir / LOGS[0]), eval_log=JsonlLog(stage_dir / LOGS[1]))
 
-    # -- start gate (fresh runs): the pinned student is the PTQ model
-    if resume_from is None:
-        ptq_model = dense_ptq_model(teacher_path, pack_dir, quant).to(device)
-        gate = start_gate(lm, teacher, ptq_model, train, qad)
-        del ptq_model
-        if main:
-            write_json(stage_dir / "gate.json", gate)
-            _reset_logs(stage_dir)
+
+def _plan(s: _Session) -> ResumePlan:
+    """Resume from the newest checkpoint at or before qad.max_steps (the schedule's horizon). Checkpoints of
+    other settings were moved aside by prepare_qad: meeting one here (train_qad run without it) is an error,
+    as is one in another checkpoint format. Checkpoints this run does not continue are moved aside."""
+    qad, world = s.qad, s.accelerator.num_processes
+    plan = plan_resume(s.ckpts, s.trajectory, qad["max_steps"], qad["resume"], "qad.resume")
+    if plan.changes is not None:
+        raise QADError(f"{s.ckpts.root}: {plan.afresh}; run prepare_qad first (it moves such checkpoints aside) "
+                       "or set qad.resume=false")
+    if plan.step is not None:
+        meta, folder = plan.meta, s.ckpts.folder(plan.step)
+        saved_ds = meta.get("deepspeed", s.deepspeed)
+        if saved_ds != s.deepspeed or (s.deepspeed and meta.get("processes", world) != world):
+            raise QADError(f"{folder} was saved {'with' if saved_ds else 'without'} DeepSpeed on "
+                           f"{meta.get('processes')} process(es); this run is {'with' if s.deepspeed else 'without'} "
+                           f"DeepSpeed on {world}: launch it as before (qad.launcher, qad.deepspeed, "
+                           "qad.num_processes), or set qad.resume=false to start afresh (the checkpoints are then "
+                           "moved aside)")
+    s.horizons = plan.horizons
+    s.accelerator.wait_for_everyone()   # every process has planned before anything is moved
+    if s.main and plan.later:
+        why = plan.afresh or f"resuming from step {plan.step} (qad.max_steps = {qad['max_steps']})"
+        dest, later = s.ckpts.move_after(-1 if plan.step is None else plan.step)
+        for name in (*LOGS, "summary.json", "gate.json"):   # the record of the run they belonged to
+            if (s.stage_dir / name).exists():
+                shutil.copy2(s.stage_dir / name, dest / name)
+        print(f"QAD: {why}: checkpoints {later} moved aside to {dest} (delete it once no longer needed)", flush=True)
+    s.accelerator.wait_for_everyone()
+    return plan
+
+
+def _start_gate(s: _Session) -> None:
+    """A fresh run: the pinned student must be the PTQ model (start_gate); the logs start empty."""
+    ptq_model = dense_ptq_model(s.teacher_path, s.pack_dir, s.params["quant"]).to(s.accelerator.device)
+    gate = start_gate(s.lm, s.teacher, ptq_model, s.train, s.qad)
+    del ptq_model
+    if s.main:
+        write_json(s.stage_dir / "gate.json", gate)
+        s.train_log.reset()
+        s.eval_log.reset()
+
+
+def _prepare(s: _Session) -> None:
+    """Optimiser and schedule over every student parameter (as the reference: no freezing; the grid is
+    buffers), prepared by accelerate, with the grid checked to be still pinned."""
+    qad, accelerator = s.qad, s.accelerator
     if qad["grad_checkpointing"]:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if wants_compile(qad["compile"], str(device)):
-        lm.get_decoder().compile()   # in place: parameter names, checkpoints and exports are unchanged
-    init_amax = grid.grid_amax(lm)
-
-    # -- optimiser: every student parameter (as the reference: no freezing); the grid is buffers
-    student = Distillee(lm)
+        s.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if wants_compile(qad["compile"], str(accelerator.device)):
+        s.lm.get_decoder().compile()   # in place: parameter names, checkpoints and exports are unchanged
+    s.init_amax = grid.grid_amax(s.lm)
+    student = Distillee(s.lm)
     optimizer = make_optimizer(student.parameters(), qad)
     warmup = math.ceil(qad["warmup_ratio"] * qad["max_steps"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(qad["max_steps"], warmup, from_zero=True))
+    s.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(qad["max_steps"], warmup, from_zero=True))
     # the scheduler stays unprepared: it counts optimiser steps, whatever the process count
-    student, optimizer = accelerator.prepare(student, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    inner = accelerator.unwrap_model(student)
+    s.student, s.optimizer = accelerator.prepare(student, optimizer)
+    accelerator.register_for_checkpointing(s.scheduler)
+    s.inner = accelerator.unwrap_model(s.student)
     # DeepSpeed's bf16 mode (and any other cast of the whole module) also casts buffers: the grid must
     # still be the fp32 7 x scale it was pinned to before a single step is taken
-    check_grid_pinned(inner.lm, init_amax, "by accelerator.prepare")
+    check_grid_pinned(s.inner.lm, s.init_amax, "by accelerator.prepare")
+    s.student.train()
 
-    start = 0
-    if resume_from is not None:
-        accelerator.load_state(str(ckpt_root / f"step-{resume_from}" / "state"))
-        start = resume_from
-        if old_max_steps is not None:
-            apply_schedule(scheduler)
-            if main:
-                print(f"QAD: qad.max_steps changed from {old_max_steps} to {qad['max_steps']}: from step "
-                      f"{resume_from} on, the learning rate follows the cosine schedule over {qad['max_steps']} "
-                      f"steps ({scheduler.get_last_lr()[0]:.3g} now); the steps before followed the old one "
-                      "(qad.resume=false gives a run with one schedule)", flush=True)
-        if main:
-            print(f"QAD: resuming from step {resume_from}", flush=True)
-            _truncate_logs(stage_dir, start)
-        if meta.get("eval_chunks", qad["eval_chunks"]) != qad["eval_chunks"] and main:
-            print(f"QAD: qad.eval_chunks changed from {meta['eval_chunks']} to {qad['eval_chunks']}: held-out "
-                  f"evaluations up to step {resume_from} used other chunks", flush=True)
 
-    def evaluate(step: int) -> None:
-        student.eval()
-        mine = slice(rank, eval_n, world)
-        # the unwrapped model: ranks may hold different numbers of held-out chunks, and every forward of the
-        # DDP wrapper is a collective (buffer broadcast) that would then wait forever
-        stats = mean_kl(inner, teacher, inner.head, val["input_ids"][mine].to(device),
-                        val["weights"][mine].to(device), qad)
-        sums = torch.tensor([stats["kl"] * stats["tokens"], stats["top1"] * stats["tokens"], stats["tokens"]],
-                            device=device)
-        sums = accelerator.reduce(sums, reduction="sum")
-        if main:
-            tokens = max(float(sums[2]), 1.0)
-            _append(stage_dir / "eval_log.jsonl", {"step": step, "kl": float(sums[0]) / tokens,
-                                                   "top1": float(sums[1]) / tokens, "tokens": tokens})
-        student.train()
+def _restore(s: _Session, plan: ResumePlan) -> int:
+    """Load the planned checkpoint's state; the logs are cut back to its step. Returns that step."""
+    qad, step = s.qad, plan.step
+    s.ckpts.load(s.accelerator, step)
+    if plan.old_horizon is not None:
+        apply_schedule(s.scheduler)
+        if s.main:
+            print(f"QAD: qad.max_steps changed from {plan.old_horizon} to {qad['max_steps']}: from step {step} on, "
+                  f"the learning rate follows the cosine schedule over {qad['max_steps']} steps "
+                  f"({s.scheduler.get_last_lr()[0]:.3g} now); the steps before followed the old one "
+                  "(qad.resume=false gives a run with one schedule)", flush=True)
+    if s.main:
+        print(f"QAD: resuming from step {step}", flush=True)
+        s.train_log.truncate(step)
+        s.eval_log.truncate(step)
+        if plan.meta.get("eval_chunks", qad["eval_chunks"]) != qad["eval_chunks"]:
+            print(f"QAD: qad.eval_chunks changed from {plan.meta['eval_chunks']} to {qad['eval_chunks']}: held-out "
+                  f"evaluations up to step {step} used other chunks", flush=True)
+    return step
 
-    if start == 0:
-        evaluate(0)   # step 0 = the PTQ baseline on the held-out chunks
 
-    # -- the loop
-    n_train = train["input_ids"].shape[0]
-    per_step = qad["micro_batch_size"] * accum * world
-    last = qad["max_steps"] if stop_after is None else min(stop_after, qad["max_steps"])
-    bar = tqdm(range(start, last), desc="QAD", disable=not main, initial=start, total=qad["max_steps"])
-    student.train()
-    started = time.time()
-    grad_norm = None
-    for step in bar:
-        step_loss = 0.0
-        for micro in range(accum):
-            ids, weights = _micro_batch(train, n_train, step * per_step + (micro * world + rank) * qad["micro_batch_size"],
-                                        qad["micro_batch_size"], params["seed"])
-            ids, weights = ids.to(device), weights.to(device)
-            with accelerator.accumulate(student):
-                with accelerator.autocast():
-                    loss = chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, inner.head,
-                                              teacher.get_output_embeddings(), qad["kl_temperature"],
-                                              qad["kl_chunk_tokens"])
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(student.parameters(), qad["grad_clip"])
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            step_loss += float(loss.detach()) / accum
-        done = step + 1
-        if main and (done % qad["log_every"] == 0 or done == last):
-            _append(stage_dir / "train_log.jsonl", {"step": done, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                                                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                                                    "seconds": round(time.time() - started, 2)})
-            bar.set_postfix(loss=f"{step_loss:.4f}")
-        if done % qad["eval_every"] == 0 or done == qad["max_steps"]:
-            evaluate(done)
-        if done % qad["save_every"] == 0 or done == qad["max_steps"]:
-            _save_checkpoint(accelerator, inner.lm, ckpt_root, done, teacher_path, qad["keep_last_ckpts"],
-                             {"trajectory": trajectory, "horizons": horizons, "deepspeed": ds, "processes": world,
-                              "eval_chunks": qad["eval_chunks"]})
-    accelerator.wait_for_everyone()
+def _evaluate(s: _Session, step: int) -> None:
+    """Held-out KL and top-1 agreement, each process on its share of the chunks, summed across processes."""
+    s.student.eval()
+    rank, world, device = s.accelerator.process_index, s.accelerator.num_processes, s.accelerator.device
+    mine = slice(rank, s.eval_n, world)
+    # the unwrapped model: ranks may hold different numbers of held-out chunks, and every forward of the
+    # DDP wrapper is a collective (buffer broadcast) that would then wait forever
+    stats = mean_kl(s.inner, s.teacher, s.inner.head, s.val["input_ids"][mine].to(device),
+                    s.val["weights"][mine].to(device), s.qad)
+    sums = torch.tensor([stats["kl"] * stats["tokens"], stats["top1"] * stats["tokens"], stats["tokens"]],
+                        device=device)
+    sums = s.accelerator.reduce(sums, reduction="sum")
+    if s.main:
+        tokens = max(float(sums[2]), 1.0)
+        s.eval_log.append({"step": step, "kl": float(sums[0]) / tokens, "top1": float(sums[1]) / tokens,
+                           "tokens": tokens})
+    s.student.train()
 
-    # -- the grid never moved: same amax buffers as at the start
-    check_grid_pinned(inner.lm, init_amax, "during training")
-    if last == qad["max_steps"] and main:
-        export_student(inner.lm, stage_dir / "qad_student", teacher_path)
-        summary = summarize(stage_dir)
-        summary["schedule"] = horizons
-        write_json(stage_dir / "summary.json", summary)
+
+def _optimiser_step(s: _Session, step: int) -> tuple[float, torch.Tensor | None]:
+    """One optimiser step over this process's micro-batches of `step`; (mean loss, gradient norm)."""
+    qad, accelerator = s.qad, s.accelerator
+    accum, world, rank = accelerator.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
+    size = qad["micro_batch_size"]
+    step_loss, grad_norm = 0.0, None
+    for micro in range(accum):
+        ids, weights = _micro_batch(s.train, s.train["input_ids"].shape[0],
+                                    (step * accum * world + micro * world + rank) * size, size, s.params["seed"])
+        ids, weights = ids.to(accelerator.device), weights.to(accelerator.device)
+        with accelerator.accumulate(s.student):
+            with accelerator.autocast():
+                loss = chunked_forward_kl(s.student(ids), teacher_hidden(s.teacher, ids), weights, s.inner.head,
+                                          s.teacher.get_output_embeddings(), qad["kl_temperature"],
+                                          qad["kl_chunk_tokens"])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(s.student.parameters(), qad["grad_clip"])
+            s.optimizer.step()
+            if accelerator.sync_gradients:
+                s.scheduler.step()
+            s.optimizer.zero_grad()
+        step_loss += float(loss.detach()) / accum
+    return step_loss, grad_norm
+
+
+def _save(s: _Session, step: int) -> None:
+    """A checkpoint with the exported student; qad.keep_last_ckpts bounds how many stay (whole)."""
+    qad = s.qad
+    meta = {"trajectory": s.trajectory, "horizons": s.horizons, "deepspeed": s.deepspeed,
+            "processes": s.accelerator.num_processes, "eval_chunks": qad["eval_chunks"]}
+    s.ckpts.save(s.accelerator, step, meta, lambda path: export_student(s.inner.lm, path, s.teacher_path),
+                 keep_last=qad["keep_last_ckpts"])
+
+
+def _finish(s: _Session, last: int) -> dict:
+    """The grid never moved (same amax buffers as at the start); a complete run exports qad_student/ and
+    summary.json."""
+    check_grid_pinned(s.inner.lm, s.init_amax, "during training")
+    if last == s.qad["max_steps"] and s.main:
+        export_student(s.inner.lm, s.stage_dir / "qad_student", s.teacher_path)
+        summary = summarize(s.stage_dir)
+        summary["schedule"] = s.horizons
+        write_json(s.stage_dir / "summary.json", summary)
         return summary
     return {"stopped_at": last}
 
@@ -575,50 +615,11 @@ def _micro_batch(train: dict, n_train: int, offset: int, size: int, seed: int):
     return train["input_ids"][rows], train["weights"][rows]
 
 
-def _save_checkpoint(accelerator, lm: nn.Module, ckpt_root: Path, step: int, sidecars_from: Path, keep_last: int,
-                     info: dict):
-    folder = ckpt_root / f"step-{step}"
-    if accelerator.is_main_process and folder.exists():
-        shutil.rmtree(folder)  # an unfinished earlier attempt at this step (no meta.json)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(folder / "state"))
-    if accelerator.is_main_process:
-        export_student(lm, folder / "student", sidecars_from)
-        write_json(folder / "meta.json", {"step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **info})
-        steps = [s for s in checkpoint_steps(ckpt_root) if s <= step]
-        if keep_last > 0:
-            for old in steps[:-keep_last]:
-                shutil.rmtree(ckpt_root / f"step-{old}", ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
 # ---------------------------------------------------------------- logs and results
 
-def _append(path: Path, row: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _read_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _reset_logs(stage_dir: Path) -> None:
-    for name in ("train_log.jsonl", "eval_log.jsonl"):
-        (stage_dir / name).unlink(missing_ok=True)
-
-
-def _truncate_logs(stage_dir: Path, step: int) -> None:
-    """A resumed run rewrites what came after its checkpoint."""
-    for name in ("train_log.jsonl", "eval_log.jsonl"):
-        kept = [r for r in _read_log(stage_dir / name) if r["step"] <= step]
-        (stage_dir / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-
 def read_logs(stage_dir: Path) -> tuple[list[dict], list[dict]]:
-    return _read_log(Path(stage_dir) / "train_log.jsonl"), _read_log(Path(stage_dir) / "eval_log.jsonl")
+    """(train_log rows, eval_log rows) of a stage folder."""
+    return tuple(JsonlLog(Path(stage_dir) / name).read() for name in LOGS)
 
 
 def summarize(stage_dir: Path) -> dict:

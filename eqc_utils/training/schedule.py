@@ -1,5 +1,5 @@
-"""What the two training loops (QAD, eqc_utils.quant.qad; the drafter, eqc_utils.drafter.train) share: the
-learning-rate schedule and its re-application when a resumed run changes the schedule's length."""
+"""The learning-rate schedule of both loops, and its re-application when a resumed run changes the
+schedule's length (the horizon; see checkpoints.plan_resume)."""
 from __future__ import annotations
 
 import math
