@@ -362,3 +362,31 @@ def test_n_samples_per_prompt_get_distinct_ids_and_resume_without_duplicates(liv
     resumed = read_rows(out)
     assert again.already_done == 4 and again.new_rows == 5
     assert sorted(r["id"] for r in resumed) == expected and resumed[:4] == rows[:4]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (5, 0.999), (50, 1e-6), (2000, 0.5), (1, 0.3)])
+def test_top_k_top_p_in_one_step_keeps_what_the_two_warpers_keep(top_k, top_p):
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from eqc_utils.generation.hf import TopKTopP
+    scores = torch.randn(16, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
+    expected = scores
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)):
+        expected = warper(None, expected)
+    assert torch.equal(TopKTopP(0.7, top_k, top_p)(None, scores), expected)
+
+
+def test_fused_sampling_draws_the_tokens_the_two_warpers_draw(lively):
+    """Same seed, same sampled answers: the fused processor changes the cost of a step, not what it samples."""
+    import torch
+    from eqc_utils.generation.hf import batch_sampling_kwargs, sampling_kwargs
+    gen = gen_params(temperature=0.9, top_k=20, top_p=0.8)
+    assert "logits_processor" in batch_sampling_kwargs(gen) and "logits_processor" not in sampling_kwargs(gen)
+    ids = torch.tensor([PROMPT_IDS[4]] * 6)
+    outs = []
+    for kwargs in (sampling_kwargs(gen), batch_sampling_kwargs(gen)):
+        torch.manual_seed(0)
+        outs.append(lively.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, pad_token_id=2,
+                                    **kwargs)[:, ids.shape[1]:])
+    assert len({tuple(row) for row in outs[0].tolist()}) > 1, "the samples should differ from one another"
+    assert torch.equal(outs[0], outs[1])

@@ -103,6 +103,39 @@ def sampling_kwargs(gen: dict) -> dict:
             "top_k": gen["top_k"] if gen["top_k"] > 0 else None}
 
 
+def batch_sampling_kwargs(gen: dict) -> dict:
+    """`sampling_kwargs` for the batch engines: temperature, top-k and top-p run as one `TopKTopP` processor."""
+    from transformers import LogitsProcessorList
+    kwargs = sampling_kwargs(gen)
+    if kwargs["do_sample"] and gen["top_k"] > 0 and gen["top_p"] < 1.0:
+        # transformers puts processors passed in before its own warpers: the temperature must come with them
+        fused = TopKTopP(gen["temperature"], gen["top_k"], gen["top_p"])
+        kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList([fused]))
+    return kwargs
+
+
+class TopKTopP:
+    """transformers' Temperature, TopK and TopP warpers in one step that sorts only the k best scores.
+
+    TopP sorts the whole vocabulary, although after TopK all but k scores are -inf: at batch 1024 with SmolLM2's
+    49K-token vocabulary that sort was 3.3 ms of a 22.8 ms decoding step on one H200 (docs/generation.md). The
+    same tokens survive (a token stays when the probability mass of the better tokens is below top_p, the best one
+    always), with the same scores, so sampling draws what the three warpers would; only a tie at the k-th score
+    differs (TopK keeps every tied token, this keeps k)."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        import torch
+        values, index = (scores / self.temperature).topk(min(self.top_k, scores.shape[-1]), dim=-1)  # best first
+        probs = values.softmax(-1)
+        keep = probs.cumsum(-1) - probs < self.top_p
+        keep[..., 0] = True
+        kept = values.masked_fill(~keep, float("-inf"))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, index, kept)
+
+
 # ---------------------------------------------------------------- engines generate and static
 @dataclass
 class Answering:
@@ -169,11 +202,16 @@ def generate_round(lm, batch_ids: list[list[int]], budgets: list[int], gen: dict
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch_ids], device=device)
     attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids], device=device)
     kwargs = dict(max_new_tokens=max(budgets), pad_token_id=pad_id, eos_token_id=sorted(eos_ids),
-                  **sampling_kwargs(gen))
+                  **batch_sampling_kwargs(gen))
     if share < 1.0:
         kwargs["stopping_criteria"] = StoppingCriteriaList([ShareFinished(width, budgets, eos_ids, share, device)])
     if static_cache_len is not None:
-        kwargs.update(cache_implementation="static", max_cache_len=static_cache_len)
+        # one specialised graph per cache size: with the default (dynamic None) the second size a process sees
+        # recompiles the step with symbolic shapes; a stage's later rounds ran ~2.3x slower per step than a process
+        # that only saw one size (docs/generation.md, which says what is and is not yet measured)
+        from transformers import CompileConfig
+        kwargs.update(cache_implementation="static", max_cache_len=static_cache_len,
+                      compile_config=CompileConfig(dynamic=False))
     with torch.inference_mode():
         out = lm.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
     return [cut_after_eos(seq[:budget], eos_ids) for seq, budget in zip(out[:, width:].tolist(), budgets)]
