@@ -128,16 +128,16 @@ def bench_drafter(args, device: str) -> list[dict]:
     configs = [c for c in configs if not (args.no_compile and c[2])]
     rows, first_losses = [], {}
     for name, fused, compiled in configs:
-        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
-             "compiled": compiled}
+        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused}
         drafter = copy.deepcopy(init)
         if compiled:
             drafter.compile(dynamic=True)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         reset_peak(device)
         try:
-            def step_loss(i, drafter=drafter):   # batches alternate lengths; anchors drawn per step
-                return drafter_step(drafter, target, data[i % 2], P, torch.Generator().manual_seed(i))
+            def step_loss(i, drafter=drafter, compiled=compiled):   # batches alternate lengths; anchors per step
+                return drafter_step(drafter, target, data[i % 2], P, torch.Generator().manual_seed(i),
+                                    compiled=compiled)
             times, losses, stats = timed_steps(step_loss, optimizer, args, device)
             scored = [s["scored"] for s in stats]
         except Exception as error:   # report and go on: the other configurations still measure

@@ -236,3 +236,20 @@ def test_reference_backend_without_vllm(speculative_config, tmp_path):
                              "speculative": results["final"]["latency"]}, prompts)
     assert report["speedup"]["speculative"]["short"]["latency"] > 0
     assert (tmp_path / "servers" / "reference.json").is_file()
+
+
+def test_grouped_bars_place_style_and_skip_missing_values(tmp_path):
+    rows = [{"server": "teacher", "gate": "mmlu_pro", "value": 0.5, "stderr": 0.05, "passed": True},
+            {"server": "teacher", "gate": "ifeval", "value": 0.4, "stderr": None, "passed": True},
+            {"server": "final", "gate": "mmlu_pro", "value": 0.3, "stderr": 0.02, "passed": False},
+            {"server": "final", "gate": "ifeval", "value": None, "stderr": None, "passed": None}]
+    bars = plots.plot_gates(rows, tmp_path / "g.png").axes[0].patches
+    placed = [(round(b.get_x() + b.get_width() / 2, 2), b.get_height(), b.get_hatch()) for b in bars]
+    assert placed == [(-0.2, 0.5, None), (0.8, 0.4, None), (0.2, 0.3, "//")]
+    report = {"buckets": [{"name": n, "prompt_tokens": 8, "max_tokens": 4} for n in ("short", "long")],
+              "baseline": "autoregressive", "speedup": {},
+              "servers": {"autoregressive": {"short": {"median_latency_ms": 10.0}, "long": {"median_latency_ms": None}},
+                          "speculative": {"short": {"median_latency_ms": 5.0}, "long": {"median_latency_ms": 7.0}}}}
+    bars = plots.plot_latency(report, tmp_path / "l.png").axes[0].patches
+    assert [(round(b.get_x() + b.get_width() / 2, 2), b.get_height()) for b in bars] == \
+        [(-0.2, 10.0), (0.8, 0), (0.2, 5.0), (1.2, 7.0)]

@@ -90,7 +90,8 @@ def new_drafter(P: dict, target, tokenizer, init_from: Path | None) -> DFlashDra
     return DFlashDrafter(cfg)
 
 
-def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generator, *,
+                 compiled: bool = False) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch (call under autocast)."""
     cfg = unwrap(drafter).config
     lengths = batch["attention_mask"].sum(1)
@@ -107,7 +108,7 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     hidden = drafter(block_embeds, features, positions, mask=mask)
     if P.get("fused_loss"):
         return fused_head_loss(hidden, output_head(target), blocks["labels"], blocks["weights"],
-                               compiled=bool(P.get("compiled")))
+                               compiled=compiled)
     return weighted_loss(hidden, output_head(target), blocks["labels"], blocks["weights"])
 
 
@@ -142,6 +143,7 @@ class _Session:
     ckpts: CheckpointDir
     history: JsonlLog
     generator: torch.Generator
+    compiled: bool                  # the drafter is compiled: the fused loss compiles its chunks too
     horizons: list[dict] = field(default_factory=list)
     counters: dict = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch": 0})
 
@@ -205,11 +207,11 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=P["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total_steps, max(1, int(P["warmup_ratio"] * total_steps))))
-    if wants_compile(P["compile"], str(accelerator.device)):
+    compiled = wants_compile(P["compile"], str(accelerator.device))
+    if compiled:
         # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module;
         # dynamic shapes, since batches differ in length and in anchor count
         drafter.compile(dynamic=True)
-        P = {**P, "compiled": True}
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)   # stepped per optimiser step, whatever the process count
     drafter.train()
@@ -220,7 +222,7 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
                     optimizer=optimizer, scheduler=scheduler, examples=examples, steps_per_epoch=steps_per_epoch,
                     total_steps=total_steps, trajectory={"settings": settings, "digest": params_digest(settings)},
                     ckpts=_checkpoints(run.out_dir), history=JsonlLog(run.out_dir / HISTORY),
-                    generator=torch.Generator().manual_seed(seed + rank))
+                    generator=torch.Generator().manual_seed(seed + rank), compiled=compiled)
 
 
 def _schedule_length(name: str, P: dict, num_examples: int, seed: int, rank: int, world: int) -> tuple[int, int]:
@@ -292,7 +294,7 @@ def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[float, float]
     # anchors depend only on (seed, rank, epoch, batch): a resumed or re-launched run draws the same ones
     s.generator.manual_seed(s.seed + 1_000_003 * s.accelerator.process_index + 7_919 * s.counters["epoch"] + index)
     with s.accelerator.accumulate(s.drafter), s.accelerator.autocast():
-        loss, stats = drafter_step(s.drafter, s.target, batch, s.P, s.generator)
+        loss, stats = drafter_step(s.drafter, s.target, batch, s.P, s.generator, compiled=s.compiled)
         s.accelerator.backward(loss)
         if s.accelerator.sync_gradients:
             s.accelerator.clip_grad_norm_(s.drafter.parameters(), s.P["max_grad_norm"])

@@ -16,22 +16,28 @@ def _save(fig, paths: Sequence[str | Path]) -> None:
         fig.savefig(path, dpi=120)
 
 
+def _grouped_bars(ax, series: Mapping[str, Sequence], extras: Mapping[str, Sequence[dict]] | None = None) -> None:
+    """One cluster of bars per group, one bar per series (its name is the legend entry and picks the colour);
+    `extras[name][j]`: more `ax.bar` keywords for that bar (error bar, hatching). None values are skipped."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width
+        for j, value in enumerate(values):
+            if value is not None:
+                more = extras[name][j] if extras and name in extras else {}
+                ax.bar(j + offset, value, width, color=COLOURS.get(name), label=name if j == 0 else None, **more)
+
+
 def plot_gates(rows: Sequence[Mapping], *paths) -> "object":
     """Grouped bars: one group per gate, one bar per server, ± one standard error; a failed gate is hatched."""
     import matplotlib.pyplot as plt
 
     gates = list(dict.fromkeys(r["gate"] for r in rows))
     servers = list(dict.fromkeys(r["server"] for r in rows))
-    width = 0.8 / max(1, len(servers))
+    cell = {(r["server"], r["gate"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
-    for i, server in enumerate(servers):
-        for j, gate in enumerate(gates):
-            row = next((r for r in rows if r["server"] == server and r["gate"] == gate), None)
-            if row is None or row["value"] is None:
-                continue
-            ax.bar(j + (i - (len(servers) - 1) / 2) * width, row["value"], width, yerr=row["stderr"] or 0,
-                   color=COLOURS.get(server), capsize=3, hatch="//" if row["passed"] is False else None,
-                   label=server if j == 0 else None)
+    _grouped_bars(ax, {s: [(cell.get((s, g)) or {}).get("value") for g in gates] for s in servers},
+                  {s: [_gate_bar_style(cell.get((s, g))) for g in gates] for s in servers})
     ax.set_xticks(range(len(gates)), gates)
     ax.set_ylabel("score")
     ax.set_ylim(0, 1)
@@ -41,18 +47,20 @@ def plot_gates(rows: Sequence[Mapping], *paths) -> "object":
     return fig
 
 
+def _gate_bar_style(row: Mapping | None) -> dict:
+    if row is None:
+        return {}
+    return {"yerr": row["stderr"] or 0, "capsize": 3, "hatch": "//" if row["passed"] is False else None}
+
+
 def plot_latency(report: Mapping, *paths) -> "object":
     """Median latency per prompt-length bucket for each server, the speed-up over the baseline on top."""
     import matplotlib.pyplot as plt
 
     buckets = [b["name"] for b in report["buckets"]]
     servers = list(report["servers"])
-    width = 0.8 / max(1, len(servers))
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
-    for i, server in enumerate(servers):
-        values = [report["servers"][server][b]["median_latency_ms"] or 0 for b in buckets]
-        ax.bar([j + (i - (len(servers) - 1) / 2) * width for j in range(len(buckets))], values, width,
-               color=COLOURS.get(server), label=server)
+    _grouped_bars(ax, {s: [report["servers"][s][b]["median_latency_ms"] or 0 for b in buckets] for s in servers})
     for name, per_bucket in report["speedup"].items():
         for j, b in enumerate(buckets):
             ratio = per_bucket[b]["latency"]
