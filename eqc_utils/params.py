@@ -177,6 +177,7 @@ SCHEMA: dict = {
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
         "max_length": int,                 # tokens per training conversation (paper 3072)
         "max_conversations": Opt(int),     # cap on training conversations; null = the whole file
+        "curve_conversations": ListOf(int),  # 06: extra pre-training runs on the first N conversations (learning curve)
         "heldout_prompts": int,            # last rows of the data file: never trained on, used for tau
         "epochs": int,
         "max_steps": Opt(int),             # optimiser-step cap per run; null = epochs decide

@@ -23,7 +23,8 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     shutil.copy(path, runs / "02_teacher_data" / "teacher.jsonl")
     overrides = {"assets.teacher": str(chain_target_dir), "drafter.num_layers": 1, "drafter.max_steps": 3,
                  "drafter.save_every": 2, "drafter.log_every": 1, "drafter.heldout_prompts": 1,
-                 "drafter.eval_max_new_tokens": 12, "drafter.vllm_check": False, "device": "cpu"}
+                 "drafter.eval_max_new_tokens": 12, "drafter.vllm_check": False, "device": "cpu",
+                 "drafter.curve_conversations": [2, 100]}
     for name in ("06_drafter_pretrain", "07_drafter_finetune"):
         pm.execute_notebook(str(REPO_ROOT / "notebooks" / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                             parameters={"profile": "tiny", "overrides": overrides}, kernel_name="python3",
@@ -59,7 +60,14 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
 
     tau = io.read_json(nb06 / "pretrain" / "tau.json")
     check_tau_table(tau, "06 pretrain")
+    # the learning curve: a run on the first 2 training conversations, 100 (more than there are) skipped, and the
+    # full run, whose point repeats its last tau measurement (same drafter, prompts and target)
+    curve = io.read_json(nb06 / "curve" / "curve.json")
+    assert [p["conversations"] for p in curve] == [2, len(rows) - 1] and [p["steps"] for p in curve] == [2, 3]
+    assert curve[-1]["tau"] == pytest.approx(tau[-1]["tau"], abs=1e-9)
+    assert (tmp_path / "figures" / "tiny" / "drafter_learning_curve.png").exists()
     metrics06 = json.loads((nb06 / "metrics.json").read_text())
+    assert metrics06["curve_tau"] == {str(p["conversations"]): pytest.approx(p["tau"]) for p in curve}
     assert metrics06["tau_pretrain"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
     assert metrics06["accept_pos1"] == pytest.approx(tau[-1]["acceptance_per_position"][0], abs=1e-6)
     assert metrics06["steps"] == 3 and metrics06["heldout_prompts"] == 1

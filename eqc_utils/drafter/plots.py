@@ -39,3 +39,21 @@ def plot_acceptance(tables: dict[str, list[dict]], *paths: Path):
     ax_pos.legend()
     _save(fig, list(paths))
     return fig
+
+
+def plot_learning_curve(curve: list[dict], *paths: Path):
+    """Left: held-out tau against training conversations (log scale). Right: P(draft k accepted) per size."""
+    fig, (ax_tau, ax_pos) = plt.subplots(1, 2, figsize=(10, 3.5))
+    sizes = [r["conversations"] for r in curve]
+    ax_tau.plot(sizes, [r["tau"] for r in curve], marker="o")
+    for r in curve:
+        ax_tau.annotate(f"{r['steps']} steps", (r["conversations"], r["tau"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)
+        rates = r["acceptance_per_position"]
+        ax_pos.plot(range(1, len(rates) + 1), rates, marker=".", label=f"{r['conversations']} (tau {r['tau']:.2f})")
+    ax_tau.set(xlabel="training conversations", ylabel="tau (tokens / verify step)", xscale="log",
+               title="acceptance length vs data, held-out")
+    ax_pos.set(xlabel="block position k", ylabel="P(draft k accepted)", title="acceptance per position", ylim=(0, 1))
+    ax_pos.legend(title="conversations")
+    _save(fig, list(paths))
+    return fig

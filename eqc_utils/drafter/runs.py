@@ -20,6 +20,7 @@ from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, train_drafter
 
 TAU_FILE = "tau.json"
+CURVE_FILE = "curve.json"
 
 
 @dataclass
@@ -108,6 +109,39 @@ def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, dev
         report = measure_drafter(drafter_dir, target, prompt_ids(tokenizer, result.heldout),
                                  stop_ids(tokenizer, target.config), P)
     return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position}
+
+
+def learning_curve(full: RunResult, data_path: Path, out_root: Path, P: dict, tokenizer, *, device: str = "auto",
+                   seed: int = 0, log=print) -> list[dict]:
+    """tau against the number of training conversations: one more run per `drafter.curve_conversations` size
+    (the first N training rows of the same file, every other setting as the full run's, trained into
+    `out_root/n<N>`, resumable), each measured on the full run's held-out prompts, then the full run itself.
+    Sizes not below the full run's count are skipped (and said so). Rows: conversations, tau, steps (optimiser),
+    acceptance_per_position; written to `out_root/curve.json`."""
+    used = len(full_training_rows(data_path, P))
+    table = []
+    for size in sorted(set(P["curve_conversations"])):
+        if size >= used:
+            log(f"learning curve: {size} conversations is not fewer than the full run's {used}: skipped")
+            continue
+        run = train_run(f"{size} conversations", full.target_dir, data_path, Path(out_root) / f"n{size}",
+                        {**P, "max_conversations": size}, tokenizer, device=device, seed=seed,
+                        init_from=None, log=log)
+        table.append(_curve_point(size, run, tau_of_drafter(run.final, full, P, tokenizer, device)))
+    table.append(_curve_point(used, full, tau_of_drafter(full.final, full, P, tokenizer, device)))
+    io.write_json(Path(out_root) / CURVE_FILE, table)
+    return table
+
+
+def full_training_rows(data_path: Path, P: dict) -> list[dict]:
+    """The rows a run on `data_path` trains on: the file minus its held-out rows, capped by max_conversations."""
+    rows, _ = split_heldout(io.read_jsonl(data_path), P["heldout_prompts"])
+    return rows[:P["max_conversations"]] if P["max_conversations"] else rows
+
+
+def _curve_point(size: int, run: RunResult, report: dict) -> dict:
+    return {"conversations": size, "tau": report["tau"], "steps": run.history[-1]["step"] if run.history else 0,
+            "acceptance_per_position": report["acceptance_per_position"]}
 
 
 def vllm_agreement(served_target: Path, result: RunResult, P: dict, tokenizer, log_dir: Path | None = None,

@@ -58,7 +58,8 @@ LEGACY_HISTORY = "history.json"
 # is part of the trajectory, except the schedule's length (HORIZON_KEYS).
 NEUTRAL_KEYS = frozenset({"save_every", "log_every", "keep_last_ckpts", "resume", "run_direct",
                           "eval_max_new_tokens", "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args",
-                          "near_tie_margin", "precision", "attention", "fused_loss", "compile"})
+                          "near_tie_margin", "precision", "attention", "fused_loss", "compile",
+                          "curve_conversations"})
 HORIZON_KEYS = ("epochs", "max_steps")
 
 
