@@ -195,6 +195,7 @@ SCHEMA: dict = {
         "log_every": int,
         "resume": bool,                    # continue from the newest checkpoint of an identical run
         "run_direct": bool,                # 07 also trains the ablation: from scratch on QAD data
+        "comparison_seeds": int,           # 07 trains two-stage and direct with this many seeds (seed, seed+1, ...)
         "eval_max_new_tokens": int,        # tau measurement: greedy, block_size, on the held-out prompts
         "eval_temperature": float,
         "vllm_check": bool,                # 07 serves target + drafter on vLLM and compares with the reference tau

@@ -24,7 +24,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     overrides = {"assets.teacher": str(chain_target_dir), "drafter.num_layers": 1, "drafter.max_steps": 3,
                  "drafter.save_every": 2, "drafter.log_every": 1, "drafter.heldout_prompts": 1,
                  "drafter.eval_max_new_tokens": 12, "drafter.vllm_check": False, "device": "cpu",
-                 "drafter.curve_conversations": [2, 100]}
+                 "drafter.curve_conversations": [2, 100], "drafter.comparison_seeds": 2}
     for name in ("06_drafter_pretrain", "07_drafter_finetune"):
         pm.execute_notebook(str(REPO_ROOT / "notebooks" / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                             parameters={"profile": "tiny", "overrides": overrides}, kernel_name="python3",
@@ -72,11 +72,13 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     assert metrics06["accept_pos1"] == pytest.approx(tau[-1]["acceptance_per_position"][0], abs=1e-6)
     assert metrics06["steps"] == 3 and metrics06["heldout_prompts"] == 1
 
-    tables = {name: io.read_json(nb07 / name / "tau.json") for name in ("finetune", "direct")}
+    tables = {name: io.read_json(nb07 / name / "tau.json")
+              for name in ("finetune", "direct", "finetune_seed1", "direct_seed1")}
     for name, table in tables.items():
         check_tau_table(table, f"07 {name}")
     summary = io.read_json(nb07 / "tau_summary.json")
-    assert [row["drafter"] for row in summary] == ["pretrained only", "two-stage", "direct"]
+    assert [row["drafter"] for row in summary] == ["pretrained only", "two-stage", "direct", "two-stage (seed 1)",
+                                                   "direct (seed 1)"]
     by_name = {row["drafter"]: row for row in summary}
     metrics07 = json.loads((nb07 / "metrics.json").read_text())
     for label, run, key in (("two-stage", "finetune", "tau_two_stage"), ("direct", "direct", "tau_direct")):
@@ -88,6 +90,22 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     assert by_name["pretrained only"]["tau"] == pytest.approx(tau[-1]["tau"], abs=1e-9)
     assert metrics07["tau_pretrained_only"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
     assert metrics07["vllm_tau"] is None and metrics07["reference_tau"] is None     # vllm_check off
+    # the second seed: both arms again, compared against their spread
+    two = [tables[n][-1]["tau"] for n in ("finetune", "finetune_seed1")]
+    direct = [tables[n][-1]["tau"] for n in ("direct", "direct_seed1")]
+    assert metrics07["tau_two_stage_seeds"] == pytest.approx(two) and metrics07["tau_direct_seeds"] == pytest.approx(direct)
+    assert metrics07["two_stage_beats_direct_beyond_spread"] == (min(two) > max(direct))
     assert (tmp_path / "figures" / "tiny" / "drafter_two_stage_vs_direct.png").exists()
     assert json.loads((nb07 / "finetune" / "drafter" / "config.json").read_text())[
         "architectures"] == ["DFlashDraftModel"]
+
+
+def test_compare_arms_needs_two_seeds_per_arm_for_a_verdict():
+    from eqc_utils.drafter.runs import compare_arms
+    one = {"two-stage": [{"tau": 2.0}], "direct": [{"tau": 1.5}]}
+    assert compare_arms(one)["two_stage_beats_direct_beyond_spread"] is None
+    two = {**one, "two-stage (seed 1)": [{"tau": 1.6}], "direct (seed 1)": [{"tau": 1.4}]}
+    assert compare_arms(two) == {"tau_two_stage_seeds": [2.0, 1.6], "tau_direct_seeds": [1.5, 1.4],
+                                 "two_stage_beats_direct_beyond_spread": True}
+    overlap = {**two, "direct (seed 1)": [{"tau": 1.7}]}
+    assert compare_arms(overlap)["two_stage_beats_direct_beyond_spread"] is False

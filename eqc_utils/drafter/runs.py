@@ -144,6 +144,39 @@ def _curve_point(size: int, run: RunResult, report: dict) -> dict:
             "acceptance_per_position": report["acceptance_per_position"]}
 
 
+def extra_seed_runs(target_dir: Path, data_path: Path, init_from: Path, folder, P: dict, tokenizer, *,
+                    device: str = "auto", seed: int = 0, log=print) -> dict[str, RunResult]:
+    """The two-stage (warm start from `init_from`) and direct runs again with seeds seed+1 ... seed+k-1
+    (k = drafter.comparison_seeds), so that the two arms can be compared against their seed-to-seed spread.
+    `folder(name)` gives each run's folder (finetune_seed<S>, direct_seed<S>). Keys: "two-stage (seed S)",
+    "direct (seed S)"."""
+    if P["comparison_seeds"] < 1:
+        raise ValueError(f"drafter.comparison_seeds = {P['comparison_seeds']}: give at least 1 (the profile seed)")
+    results = {}
+    for extra in range(seed + 1, seed + P["comparison_seeds"]):
+        results[f"two-stage (seed {extra})"] = train_run(f"finetune_seed{extra}", target_dir, data_path,
+                                                         folder(f"finetune_seed{extra}"), P, tokenizer, device=device,
+                                                         seed=extra, init_from=init_from, log=log)
+        if P["run_direct"]:
+            results[f"direct (seed {extra})"] = train_run(f"direct_seed{extra}", target_dir, data_path,
+                                                          folder(f"direct_seed{extra}"), P, tokenizer, device=device,
+                                                          seed=extra, log=log)
+    return results
+
+
+def compare_arms(tables: dict[str, list[dict]]) -> dict:
+    """Final tau of every run of each arm ("two-stage", "direct"; a label's arm is its text before " (seed"),
+    and whether two-stage beats direct beyond the seed spread: its worst run above direct's best (None unless
+    both arms have at least two seeds)."""
+    arms: dict[str, list[float]] = {}
+    for label, table in tables.items():
+        arms.setdefault(label.split(" (seed")[0], []).append(table[-1]["tau"])
+    two, direct = arms.get("two-stage", []), arms.get("direct", [])
+    return {"tau_two_stage_seeds": two, "tau_direct_seeds": direct,
+            "two_stage_beats_direct_beyond_spread": (min(two) > max(direct)) if min(len(two), len(direct)) >= 2
+            else None}
+
+
 def vllm_agreement(served_target: Path, result: RunResult, P: dict, tokenizer, log_dir: Path | None = None,
                    device: str = "auto") -> dict:
     """vLLM (target `served_target` + the run's final drafter) vs the reference decoder (the run's
