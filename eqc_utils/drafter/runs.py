@@ -111,12 +111,13 @@ def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, dev
     return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position}
 
 
-def learning_curve(full: RunResult, data_path: Path, out_root: Path, P: dict, tokenizer, *, device: str = "auto",
-                   seed: int = 0, log=print) -> list[dict]:
+def learning_curve(full: RunResult, full_tau: list[dict], data_path: Path, out_root: Path, P: dict, tokenizer, *,
+                   device: str = "auto", seed: int = 0, log=print) -> list[dict]:
     """tau against the number of training conversations: one more run per `drafter.curve_conversations` size
     (the first N training rows of the same file, every other setting as the full run's, trained into
     `out_root/n<N>`, resumable), each measured on the full run's held-out prompts, then the full run itself.
-    Sizes not below the full run's count are skipped (and said so). Rows: conversations, tau, steps (optimiser),
+    Sizes not below the full run's count are skipped (and said so). The full run's point is the last row of its
+    `tau_per_checkpoint` table (its final checkpoint: measured once). Rows: conversations, tau, steps (optimiser),
     acceptance_per_position; written to `out_root/curve.json`."""
     used = len(full_training_rows(data_path, P))
     table = []
@@ -128,7 +129,8 @@ def learning_curve(full: RunResult, data_path: Path, out_root: Path, P: dict, to
                         {**P, "max_conversations": size}, tokenizer, device=device, seed=seed,
                         init_from=None, log=log)
         table.append(_curve_point(size, run, tau_of_drafter(run.final, full, P, tokenizer, device)))
-    table.append(_curve_point(used, full, tau_of_drafter(full.final, full, P, tokenizer, device)))
+    table.append({"conversations": used, "tau": full_tau[-1]["tau"], "steps": full_tau[-1]["step"],
+                  "acceptance_per_position": full_tau[-1]["acceptance_per_position"]})
     io.write_json(Path(out_root) / CURVE_FILE, table)
     return table
 
