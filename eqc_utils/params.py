@@ -198,6 +198,8 @@ SCHEMA: dict = {
         "comparison_seeds": int,           # 07 trains two-stage and direct with this many seeds (seed, seed+1, ...)
         "eval_max_new_tokens": int,        # tau measurement: greedy, block_size, on the held-out prompts
         "eval_temperature": float,
+        "eval_slots": int,                 # tau on a GPU: held-out prompts decoded this many at once (greedy,
+                                           # attention-only targets; 1 = one at a time; drafter/batched_decode.py)
         "vllm_check": bool,                # 07 serves target + drafter on vLLM and compares with the reference tau
         "vllm_prompts": int,
         "near_tie_margin": float,          # as pack.near_tie_margin, for speculative vs plain greedy outputs

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,11 +14,15 @@ import torch
 from eqc_utils import io
 from eqc_utils.devices import resolve_device
 from eqc_utils.conversation import prompt_messages, render_prompt
+from eqc_utils.drafter.batched_decode import measure_acceptance_batched
 from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
 from eqc_utils.drafter.fast_decode import UnsupportedTargetError, measure_acceptance_fast
 from eqc_utils.drafter.model import load_drafter
 from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, train_drafter
+from eqc_utils.generation.slots import UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 TAU_FILE = "tau.json"
 CURVE_FILE = "curve.json"
@@ -73,10 +78,20 @@ def measure_drafter(drafter_dir: Path, target, prompts: list[list[int]], stops: 
     device = next(target.parameters()).device
     drafter = load_drafter(drafter_dir, device=device, dtype=next(target.parameters()).dtype)
     proposer = DFlashProposer(drafter, target, block_size)
+    compile = device.type == "cuda"
     if device.type == "cuda" if fast is None else fast:
+        if P["eval_slots"] > 1 and P["eval_temperature"] <= 0:
+            try:
+                return measure_acceptance_batched(target, proposer, prompts, P["eval_max_new_tokens"], stops,
+                                                  slots=P["eval_slots"], compile=compile)
+            except UnsupportedModelError:
+                pass
+            except RuntimeError as error:   # a compile or CUDA-graph failure of this torch: the exact batch-1 path
+                log.warning("drafter.eval_slots %d: the batched decoder failed (%s); measuring tau one prompt at a "
+                            "time instead", P["eval_slots"], error)
         try:
             return measure_acceptance_fast(target, proposer, prompts, P["eval_max_new_tokens"], stops,
-                                           temperature=P["eval_temperature"], compile=device.type == "cuda")
+                                           temperature=P["eval_temperature"], compile=compile)
         except UnsupportedTargetError:
             pass
     return measure_acceptance(target, proposer, prompts, P["eval_max_new_tokens"], stops,

@@ -87,22 +87,21 @@ def sample(logits, temperature: float, top_k: int, top_p: float):
     return index.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-class SlotDecoder:
-    """`slots` sequences of up to `cache_len` positions decoded together by one model (see the module doc)."""
+class SlotCache:
+    """A decoder's layers over a static KV cache of `slots` rows, each row one sequence at its own position:
+    `forward` runs W new tokens of every row at that row's positions, `prefill` writes whole prompts into chosen
+    rows. `keep_layers`: decoder layers whose outputs `forward` and `prefill` also return (a drafter's context
+    features). Used by `SlotDecoder` (W = 1) and by the batched speculative decoder (W = the block)."""
 
-    def __init__(self, lm, slots: int, cache_len: int, sampling: tuple[float, int, float], *,
-                 sync_every: int = 16, graphs: bool | None = None):
+    def __init__(self, lm, slots: int, cache_len: int, keep_layers=()):
         import torch
         check_supported(lm)
-        self.lm, self.slots, self.cache_len, self.sampling = lm.eval(), slots, cache_len, sampling
-        self.sync_every = sync_every
+        self.lm, self.slots, self.cache_len, self.keep_layers = lm.eval(), slots, cache_len, list(keep_layers)
         decoder = lm.get_decoder()
         self.layers = list(decoder.layers)
         attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.heads = lm.config.num_attention_heads
-        self.kv_heads = lm.config.num_key_value_heads
-        self.scaling = attn.scaling
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.heads, self.kv_heads = lm.config.num_attention_heads, lm.config.num_key_value_heads
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         weight = next(lm.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -117,15 +116,8 @@ class SlotDecoder:
             positions = torch.arange(cache_len, device=self.device)[None]
             cos, sin = decoder.rotary_emb(self.keys[0][:1, 0], positions)
         self.cos, self.sin = cos[0], sin[0]                                   # [cache_len, head_dim]
-        self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.out = torch.zeros(sync_every, slots, dtype=torch.long, device=self.device)
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self._step_fn = self._decode_step
-        self._graph = None
 
-    # ---------------------------------------------------------------- the layers, for both phases
-    def _attention_block(self, i: int, layer, hidden, cos, sin, attend):
+    def _layer(self, i: int, layer, hidden, cos, sin, attend):
         """One decoder layer; `attend(layer index, q, k, v)` reads and writes the cache."""
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
@@ -140,32 +132,102 @@ class SlotDecoder:
         hidden = hidden + attn.o_proj(context.transpose(1, 2).reshape(batch, width, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def _logits(self, hidden):
+    def _run(self, ids, cos, sin, attend):
+        import torch
+        hidden, kept = self.lm.get_decoder().embed_tokens(ids), {}
+        for i, layer in enumerate(self.layers):
+            hidden = self._layer(i, layer, hidden, cos, sin, attend)
+            if i in self.keep_layers:
+                kept[i] = hidden
+        return hidden, torch.cat([kept[i] for i in self.keep_layers], dim=-1) if kept else None
+
+    def logits(self, hidden):
+        """Output logits of last-layer hidden states."""
         return self.lm.lm_head(self.lm.get_decoder().norm(hidden))
 
-    # ---------------------------------------------------------------- decode: every slot, one token
-    def _decode_step(self):
+    def forward(self, ids, starts):
+        """`ids` [slots, W] at positions starts[s] .. starts[s] + W - 1 of every row: their keys and values are
+        written there and query j of row s sees that row's positions <= starts[s] + j (what lies beyond is stale
+        and hidden). Returns (last-layer hidden [slots, W, H], kept-layer features [slots, W, F] or None)."""
         import torch
         import torch.nn.functional as F
-        tokens, positions = self.tokens, self.positions
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]    # [slots, 1, head_dim]
-        rows = torch.arange(self.slots, device=self.device)
-        visible = (torch.arange(self.cache_len, device=self.device)[None] <= positions[:, None])[:, None, None]
+        slots, width = ids.shape
+        group = self.heads // self.kv_heads
+        positions = starts[:, None] + torch.arange(width, device=self.device)         # [slots, W]
+        cos, sin = self.cos[positions], self.sin[positions]                           # [slots, W, head_dim]
+        rows = torch.arange(slots, device=self.device)[:, None]
+        visible = torch.arange(self.cache_len, device=self.device) <= positions[:, :, None]   # [slots, W, L]
+        # a row's query heads grouped by their key/value head (no repeated keys and values): query row g * W + j
+        mask = visible[:, None] if width == 1 else \
+            visible[:, None, None].expand(slots, 1, group, width, self.cache_len).reshape(slots, 1, group * width, -1)
+
+        def attend(i, q, k, v):
+            self.keys[i][rows, :, positions] = k.transpose(1, 2)
+            self.values[i][rows, :, positions] = v.transpose(1, 2)
+            q = q.reshape(slots, self.kv_heads, group * width, self.head_dim)
+            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask, scale=self.scaling)
+            return out.reshape(slots, self.heads, width, self.head_dim)
+
+        return self._run(ids, cos, sin, attend)
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]):
+        """Write `prompts` into rows `rows` (positions 0 .. len - 1). Returns (logits at each prompt's last
+        position [n, V], and with keep_layers each prompt's features [len, F] in a list, else None)."""
+        import torch
+        logits, features = [None] * len(prompts), [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda j: -len(prompts[j]))
+        start = 0
+        while start < len(order):   # chunks of similar width, at most PREFILL_TOKENS padded tokens each
+            chunk = order[start:start + max(1, PREFILL_TOKENS // len(prompts[order[start]]))]
+            last, kept = self._prefill_chunk([rows[j] for j in chunk], [prompts[j] for j in chunk])
+            for k, j in enumerate(chunk):
+                logits[j] = last[k]
+                features[j] = None if kept is None else kept[k, :len(prompts[j])]
+            start += len(chunk)
+        return torch.stack(logits), features if self.keep_layers else None
+
+    def _prefill_chunk(self, rows: list[int], prompts: list[list[int]]):
+        import torch
+        import torch.nn.functional as F
+        width = max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        index = torch.tensor(rows, device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        cos, sin = self.cos[:width][None], self.sin[:width][None]       # [1, width, head_dim]
         group = self.heads // self.kv_heads
 
         def attend(i, q, k, v):
-            self.keys[i][rows, :, positions] = k[:, :, 0]
-            self.values[i][rows, :, positions] = v[:, :, 0]
-            # a slot's query heads grouped by their key/value head: no repeated keys and values
-            q = q.reshape(self.slots, self.kv_heads, group, self.head_dim)
-            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible,
-                                                 scale=self.scaling)
-            return out.reshape(self.slots, self.heads, 1, self.head_dim)
+            # right padding: causal attention keeps every real position away from the padding after it
+            self.keys[i][index, :, :width] = k
+            self.values[i][index, :, :width] = v
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
 
-        hidden = self.lm.get_decoder().embed_tokens(tokens[:, None])
-        for i, layer in enumerate(self.layers):
-            hidden = self._attention_block(i, layer, hidden, cos, sin, attend)
-        return sample(self._logits(hidden[:, -1]), *self.sampling)
+        with torch.inference_mode():
+            hidden, kept = self._run(ids, cos, sin, attend)
+            last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
+            return self.logits(last), kept
+
+
+class SlotDecoder:
+    """`slots` sequences of up to `cache_len` positions decoded together by one model (see the module doc)."""
+
+    def __init__(self, lm, slots: int, cache_len: int, sampling: tuple[float, int, float], *,
+                 sync_every: int = 16, graphs: bool | None = None):
+        import torch
+        self.cache = SlotCache(lm, slots, cache_len)
+        self.slots, self.cache_len, self.sampling, self.sync_every = slots, cache_len, sampling, sync_every
+        device = self.cache.device
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.out = torch.zeros(sync_every, slots, dtype=torch.long, device=device)
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        self._step_fn = self._decode_step
+        self._graph = None
+
+    def _decode_step(self):
+        hidden, _ = self.cache.forward(self.tokens[:, None], self.positions)
+        return sample(self.cache.logits(hidden[:, -1]), *self.sampling)
 
     def _decode_steps(self):
         for s in range(self.sync_every):
@@ -175,24 +237,13 @@ class SlotDecoder:
             self.positions.add_(1).clamp_(max=self.cache_len - 1)
 
     def compile(self) -> None:
-        """Compile the decoding step (inductor, one fixed shape) and, on a GPU, capture `sync_every` steps as
-        one CUDA graph. Called once; the first decode calls it when graphs are on."""
+        """Compile the decoding step (inductor, one fixed shape) and, with graphs (default: on a GPU), capture
+        `sync_every` steps as one CUDA graph that `decode` replays. Call it before the first prefill."""
         import torch
         self._step_fn = torch.compile(self._decode_step, dynamic=False, fullgraph=True)
         if not self.graphs:
             return
-        saved = self.tokens.clone(), self.positions.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):   # compile and warm up outside the capture
-                self._decode_steps()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph), torch.inference_mode():
-            self._decode_steps()
-        self.tokens.copy_(saved[0])
-        self.positions.copy_(saved[1])
+        self._graph = capture(self._decode_steps, (self.tokens, self.positions))
 
     def decode(self):
         """`sync_every` steps of every slot; returns the new tokens on the host, [sync_every, slots]."""
@@ -204,47 +255,35 @@ class SlotDecoder:
                 self._decode_steps()
         return self.out.cpu()
 
-    # ---------------------------------------------------------------- prefill: new sequences into free slots
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
-        """Write `prompts` into `slots` (positions 0..len-1) and return each one's first sampled token."""
+        """Write `prompts` into `slots` and return each one's first sampled token."""
         import torch
-        firsts: list[int] = []
-        order = sorted(range(len(prompts)), key=lambda j: -len(prompts[j]))
-        start = 0
-        while start < len(order):   # chunks of similar width, at most PREFILL_TOKENS padded tokens each
-            width = len(prompts[order[start]])
-            count = max(1, PREFILL_TOKENS // width)
-            chunk = order[start:start + count]
-            firsts += list(zip(chunk, self._prefill_chunk([slots[j] for j in chunk], [prompts[j] for j in chunk])))
-            start += count
-        return [token for _, token in sorted(firsts)]
-
-    def _prefill_chunk(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
-        import torch
-        import torch.nn.functional as F
-        width = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
-        rows = torch.tensor(slots, device=self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        cos, sin = self.cos[:width][None], self.sin[:width][None]       # [1, width, head_dim]
-
-        def attend(i, q, k, v):
-            # right padding: causal attention keeps every real position away from the padding after it
-            self.keys[i][rows, :, :width] = k
-            self.values[i][rows, :, :width] = v
-            group = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
-
+        logits, _ = self.cache.prefill(slots, prompts)
         with torch.inference_mode():
-            hidden = self.lm.get_decoder().embed_tokens(ids)
-            for i, layer in enumerate(self.layers):
-                hidden = self._attention_block(i, layer, hidden, cos, sin, attend)
-            last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
-            first = sample(self._logits(last), *self.sampling)
+            first = sample(logits, *self.sampling)
+            rows = torch.tensor(slots, device=self.cache.device)
             self.tokens[rows] = first
-            self.positions[rows] = lengths
+            self.positions[rows] = torch.tensor([len(p) for p in prompts], device=self.cache.device)
         return first.tolist()
+
+
+def capture(steps, state: tuple):
+    """A CUDA graph of `steps()` (compiled code inside), after two warm-up calls on a side stream that pay the
+    compile; the tensors in `state` are put back as they were, since the warm-ups ran the steps for real."""
+    import torch
+    saved = [t.clone() for t in state]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            steps()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        steps()
+    for t, before in zip(state, saved):
+        t.copy_(before)
+    return graph
 
 
 def run_slots(lm, sequences: list, gen: dict, eos_ids: set, emit, *, sync_every: int | None = None,
