@@ -27,7 +27,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from eqc_utils.drafter.decode import AcceptanceReport, DecodeResult, DFlashProposer
+from eqc_utils.drafter.decode import AcceptanceReport, DecodeResult, DFlashProposer, pooled_report
 from eqc_utils.drafter.fast_decode import _count, _emit, cache_len_for
 from eqc_utils.drafter.features import input_embedding, output_head
 from eqc_utils.generation.slots import SlotCache, capture
@@ -133,7 +133,7 @@ def measure_acceptance_batched(target: nn.Module, proposer: DFlashProposer, prom
     started = time.perf_counter()
     results = speculative_generate_batched(target, proposer, prompts, max_new_tokens, stop_ids, slots=slots,
                                            compile=compile, progress=progress)
-    return _report(results, started)
+    return pooled_report(results, time.perf_counter() - started)
 
 
 def speculative_generate_batched(target: nn.Module, proposer: DFlashProposer, prompts: list[list[int]],
@@ -185,12 +185,3 @@ def speculative_generate_batched(target: nn.Module, proposer: DFlashProposer, pr
     bar.close()
     return results
 
-
-def _report(results: list[DecodeResult], started: float) -> AcceptanceReport:
-    steps = sum(len(r.acceptance_lengths) for r in results)
-    lengths = sum(sum(r.acceptance_lengths) for r in results)
-    accepted = [sum(col) for col in zip(*(r.accepted_at for r in results))]
-    drafted = [sum(col) for col in zip(*(r.drafted_at for r in results))]
-    rates = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
-    return AcceptanceReport(lengths / max(1, steps), steps, sum(len(r.output_ids) for r in results), rates,
-                            [r.tau for r in results], time.perf_counter() - started)

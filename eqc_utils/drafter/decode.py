@@ -278,16 +278,18 @@ def measure_acceptance(target: nn.Module, proposer: DraftFn, prompts: list[list[
     1 + accepted / drafts), with per-position acceptance rates."""
     from tqdm.auto import tqdm
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
-    lengths = steps = tokens = 0
-    accepted = drafted = None
-    per_prompt, started = [], time.perf_counter()
-    for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress):
-        s = speculative_generate(target, proposer, ids, max_new_tokens, stop_ids, temperature, generator)
-        lengths += sum(s.acceptance_lengths)
-        steps += len(s.acceptance_lengths)
-        tokens += len(s.output_ids)
-        accepted = s.accepted_at if accepted is None else [a + b for a, b in zip(accepted, s.accepted_at)]
-        drafted = s.drafted_at if drafted is None else [a + b for a, b in zip(drafted, s.drafted_at)]
-        per_prompt.append(s.tau)
-    rates = [a / d if d else 0.0 for a, d in zip(accepted or [], drafted or [])]
-    return AcceptanceReport(lengths / max(1, steps), steps, tokens, rates, per_prompt, time.perf_counter() - started)
+    started = time.perf_counter()
+    results = [speculative_generate(target, proposer, ids, max_new_tokens, stop_ids, temperature, generator)
+               for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress)]
+    return pooled_report(results, time.perf_counter() - started)
+
+
+def pooled_report(results: list[DecodeResult], seconds: float) -> AcceptanceReport:
+    """The prompts' counts pooled: summed acceptance lengths / verification steps, per-position rates."""
+    steps = sum(len(r.acceptance_lengths) for r in results)
+    lengths = sum(sum(r.acceptance_lengths) for r in results)
+    accepted = [sum(col) for col in zip(*(r.accepted_at for r in results))]
+    drafted = [sum(col) for col in zip(*(r.drafted_at for r in results))]
+    rates = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+    return AcceptanceReport(lengths / max(1, steps), steps, sum(len(r.output_ids) for r in results), rates,
+                            [r.tau for r in results], seconds)

@@ -36,19 +36,17 @@ import torch
 from torch import nn
 
 from eqc_utils.drafter.decode import (AcceptanceReport, DFlashProposer, DraftFn, DecodeResult, _pick, _probs,
-                                      greedy_loop, rejection_accept)
+                                      greedy_loop, pooled_report, rejection_accept)
 from eqc_utils.drafter.features import input_embedding, output_head
 from eqc_utils.drafter.model import DFlashDrafter
+from eqc_utils.generation import slots
 
 # Decoders whose forward is embed -> causal mask -> rope -> layers -> norm, with one full-attention mask.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-CACHE_ROUND = 128     # cache lengths are rounded up to this, so nearby budgets share compiled graphs
-
-
 def cache_len_for(prompt_len: int, max_new_tokens: int, block_size: int = 1) -> int:
-    """Room for the prompt, every token generated and one block verified past the last one."""
-    need = prompt_len + max_new_tokens + block_size
-    return -(-need // CACHE_ROUND) * CACHE_ROUND
+    """Room for the prompt, every token generated and one block verified past the last one (rounded up as the
+    slots engine rounds, so nearby budgets share compiled graphs)."""
+    return slots.cache_len_for(prompt_len, max_new_tokens + block_size)
 
 
 class UnsupportedTargetError(ValueError):
@@ -368,17 +366,7 @@ def measure_acceptance_fast(target: nn.Module, proposer: DraftFn, prompts: list[
     decoder = FastSpeculativeDecoder(target, proposer, cache_len_for(longest, max_new_tokens, proposer.block_size),
                                      compile=compile)
     generator = torch.Generator(device=decoder.device).manual_seed(seed)
-    lengths = steps = tokens = 0
-    accepted = [0] * (proposer.block_size - 1)
-    drafted = [0] * (proposer.block_size - 1)
-    per_prompt, started = [], time.perf_counter()
-    for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress):
-        s = decoder.generate(ids, max_new_tokens, stop_ids, temperature, generator)
-        lengths += sum(s.acceptance_lengths)
-        steps += len(s.acceptance_lengths)
-        tokens += len(s.output_ids)
-        accepted = [a + b for a, b in zip(accepted, s.accepted_at)]
-        drafted = [a + b for a, b in zip(drafted, s.drafted_at)]
-        per_prompt.append(s.tau)
-    rates = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
-    return AcceptanceReport(lengths / max(1, steps), steps, tokens, rates, per_prompt, time.perf_counter() - started)
+    started = time.perf_counter()
+    results = [decoder.generate(ids, max_new_tokens, stop_ids, temperature, generator)
+               for ids in tqdm(prompts, desc="acceptance", leave=False, disable=not progress)]
+    return pooled_report(results, time.perf_counter() - started)

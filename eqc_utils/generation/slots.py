@@ -5,7 +5,7 @@ Why a fourth engine. The `static` engine decodes batches to their end: with the 
 (median ~200 of 384 tokens) half of a batch's places decode finished answers, and its rounds bring new
 cache sizes that the compiled step records again. transformers' own continuous batcher frees places at
 once but runs eagerly on a paged cache (11x slower than `static` without flash attention). Here a fixed
-number of *slots* share one static KV cache `[layers, slots, kv_heads, cache_len, head_dim]`; each slot
+number of *slots* share one static KV cache (per layer `[slots, kv_heads, cache_len, head_dim]`); each slot
 holds its own sequence at its own position, so one compiled decoding step serves every mix of lengths:
 
   prefill  new sequences, right-padded, through the same layers (eager: their widths vary), their keys and
@@ -33,7 +33,7 @@ from collections import deque
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-CACHE_ROUND = 128          # cache lengths are rounded up to this
+CACHE_ROUND = 128          # cache lengths are rounded up to this, so nearby lengths share compiled graphs
 PREFILL_TOKENS = 65_536    # padded prompt tokens per prefill forward (bounds its activations)
 
 
