@@ -117,6 +117,33 @@ def timed_steps(step_loss, optimizer, args, device: str) -> tuple[list[float], l
     return times, losses, stats_seen
 
 
+def profile_steps(step_loss, optimizer, args, device: str, label: str) -> None:
+    """--profile: two more steps under torch.profiler; prints the ops that take the most device (or CPU) time and
+    how much of the wall time the device was busy (a low share means the step waits on Python and launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+                loss, _ = step_loss(args.warmup + args.repeats + i)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    busy = sum(getattr(e, key, 0) for e in events) / 1e6
+    table = events.table(sort_by=key, row_limit=30, max_name_column_width=60)
+    text = f"== profile {label}: wall {wall:.3f} s for 2 steps, device-busy {busy:.3f} s ({busy / wall:.0%})\n{table}\n"
+    print(text)
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        (args.profile_dir / f"profile_{label}.txt").write_text(text)
+
+
 def bench_drafter(args, device: str) -> list[dict]:
     target = random_target(device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block, target_layer_ids=None,
@@ -140,6 +167,8 @@ def bench_drafter(args, device: str) -> list[dict]:
                                     compiled=compiled)
             times, losses, stats = timed_steps(step_loss, optimizer, args, device)
             scored = [s["scored"] for s in stats]
+            if args.profile:
+                profile_steps(step_loss, optimizer, args, device, f"drafter_{name}")
         except Exception as error:   # report and go on: the other configurations still measure
             traceback.print_exc()
             rows.append({"part": "drafter", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
@@ -192,6 +221,8 @@ def bench_qad(args, device: str) -> list[dict]:
                 return chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, student.head,
                                           teacher.get_output_embeddings(), 1.0, args.kl_chunk), {}
             times, losses, _ = timed_steps(step_loss, optimizer, args, device)
+            if args.profile:
+                profile_steps(step_loss, optimizer, args, device, f"qad_{name}")
         except Exception as error:
             traceback.print_exc()
             rows.append({"part": "qad", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
@@ -223,6 +254,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled configurations (CPU smoke)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of two more steps per config")
+    ap.add_argument("--profile-dir", type=Path, help="also write each table to PROFILE_DIR/profile_<part>_<config>.txt")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = resolve_device(args.device)
