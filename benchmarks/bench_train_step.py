@@ -277,7 +277,7 @@ def main() -> None:
         "machine": {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "arguments": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows}, indent=1))
+        "arguments": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows}, indent=1, default=str))
     print(f"wrote {out}")
 
 
