@@ -9,12 +9,14 @@
         --warmup 1 --repeats 1 --no-compile
 
 Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 5 layers, block 16, 256 anchors,
-8 x 1,024 tokens per micro-batch), in three configurations:
+16 x 1,024 tokens per micro-batch; --batch 16), in four configurations:
   plain           autograd cross-entropy through the frozen head, chunk by chunk (drafter.fused_loss false)
   fused           the head's gradient computed in the forward pass (objective.fused_head_loss): no stored logits
-  fused+compile   and the drafter compiled in place (drafter.compile), the loss chunks compiled
-Batches alternate between two lengths (--seq and --seq minus 128) as real, padded batches do, so compiled code
-must handle changing shapes. The first step of each configuration's losses is compared with `plain`'s.
+  plain+compile   the drafter compiled in place for one shape (drafter.compile): batches padded to --seq tokens,
+                  --anchors blocks each, as drafter.train does when compiling
+  fused+compile   both, the loss chunks compiled too
+Batches alternate between two lengths (--seq and --seq minus 128) as real batches do; the compiled configurations
+get both padded to --seq. The first step of each configuration's losses is compared with `plain`'s.
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
 8 x 1,024 tokens): gradient checkpointing on/off x compile of the student's decoder off/on (qad.compile).
 Needs nvidia-modelopt (the INT4 quantisers).
@@ -87,6 +89,12 @@ def batches(args, device: str) -> list[dict]:
     return out
 
 
+def pad_to(batch: dict, width: int) -> dict:
+    """The batch right-padded with zeros (pad id, attention and loss masks) to `width` tokens."""
+    extra = width - batch["input_ids"].shape[1]
+    return {key: torch.nn.functional.pad(value, (0, extra)) for key, value in batch.items()}
+
+
 def drafter_flops(target, drafter, batch: dict, args, scored: int) -> float:
     used_layers = max(drafter.config.target_layer_ids) + 1
     per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
@@ -151,19 +159,23 @@ def bench_drafter(args, device: str) -> list[dict]:
     torch.manual_seed(0)
     init = DFlashDrafter(cfg).to(device)
     data = batches(args, device)
-    configs = [("plain", False, False), ("fused", True, False), ("fused+compile", True, True)]
+    configs = [("plain", False, False), ("fused", True, False), ("plain+compile", False, True),
+               ("fused+compile", True, True)]
     configs = [c for c in configs if not (args.no_compile and c[2])]
     rows, first_losses = [], {}
     for name, fused, compiled in configs:
-        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused}
+        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
+             "max_length": args.seq}
         drafter = copy.deepcopy(init)
-        if compiled:
-            drafter.compile(dynamic=True)
+        if compiled:   # as drafter.train does: one shape, batches padded to max_length (--seq)
+            drafter.compile(dynamic=False)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         reset_peak(device)
         try:
-            def step_loss(i, drafter=drafter, compiled=compiled):   # batches alternate lengths; anchors per step
-                return drafter_step(drafter, target, data[i % 2], P, torch.Generator().manual_seed(i),
+            steps_data = [pad_to(b, args.seq) for b in data] if compiled else data
+
+            def step_loss(i, drafter=drafter, compiled=compiled, steps_data=steps_data):   # lengths alternate
+                return drafter_step(drafter, target, steps_data[i % 2], P, torch.Generator().manual_seed(i),
                                     compiled=compiled)
             times, losses, stats = timed_steps(step_loss, optimizer, args, device)
             scored = [s["scored"] for s in stats]

@@ -111,3 +111,24 @@ def test_fused_head_loss_refuses_a_trainable_head():
     head = torch.nn.Linear(4, 10, bias=False)
     with pytest.raises(ValueError, match="fused_loss"):
         fused_head_loss(torch.randn(2, 3, 4), head, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+
+
+def test_padding_and_a_fixed_count_draw_the_same_anchors():
+    """Compiled training pads batches and asks for a fixed number of anchors: the valid anchors stay the ones the
+    unpadded batch draws (keys drawn over key_width positions), the extra slots are disabled."""
+    loss_mask, lengths = _batch()
+    padded = torch.nn.functional.pad(loss_mask, (0, 12))
+    for seed in range(10):
+        short = sample_anchors(loss_mask, lengths, 4, num_anchors=8, key_width=32,
+                               generator=torch.Generator().manual_seed(seed))
+        fixed = sample_anchors(padded, lengths, 4, num_anchors=8, key_width=32, fixed_count=True,
+                               generator=torch.Generator().manual_seed(seed))
+        n = short[0].shape[1]
+        assert fixed[0].shape == (2, 8) and n == 8           # row 0 has 11 candidates: 8 taken either way
+        assert torch.equal(fixed[0], short[0]) and torch.equal(fixed[1], short[1])
+        few = sample_anchors(loss_mask[1:], lengths[1:], 4, num_anchors=8, key_width=32,
+                             generator=torch.Generator().manual_seed(seed))
+        few_fixed = sample_anchors(padded[1:], lengths[1:], 4, num_anchors=8, key_width=32, fixed_count=True,
+                                   generator=torch.Generator().manual_seed(seed))
+        assert few[0].shape == (1, 5) and few_fixed[0].shape == (1, 8)   # row 1 alone: 5 candidates
+        assert torch.equal(few_fixed[0][:, :5], few[0]) and few_fixed[1][:, :5].all() and not few_fixed[1][:, 5:].any()

@@ -176,3 +176,44 @@ def test_fast_tau_measurement_equals_the_reference_decoder(chain_target_dir, tok
     assert reference.tau > 2.0                      # a trained drafter: the comparison covers accepted drafts
     assert (fast.tau, fast.tokens, fast.steps) == (reference.tau, reference.tokens, reference.steps)
     assert fast.acceptance_per_position == reference.acceptance_per_position
+
+
+def test_padding_and_a_fixed_anchor_count_keep_the_step(chain_target_dir, tokenizer, corpus):
+    """A compiled drafter gets every batch padded to max_length with num_anchors blocks (one shape). That must be
+    the same step as the unpadded batch with only as many blocks as it has candidates: same loss, same gradients."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.train import drafter_step, new_drafter
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    P = tiny_params(num_anchors=64)
+    examples = build_examples(corpus[1][:2], tokenizer, P["max_length"], 16, where="test")
+    results = []
+    for fixed in (False, True):
+        batch = collate(examples, "cpu", pad_to=P["max_length"] if fixed else None)
+        torch.manual_seed(0)
+        drafter = new_drafter(P, target, tokenizer, None)
+        loss, stats = drafter_step(drafter, target, batch, P, torch.Generator().manual_seed(3), compiled=fixed)
+        loss.backward()
+        results.append((batch["input_ids"].shape, loss.detach(), stats,
+                        {n: p.grad for n, p in drafter.named_parameters()}))
+    (short_shape, loss, stats, grads), (padded_shape, padded_loss, padded_stats, padded_grads) = results
+    assert padded_shape[1] == P["max_length"] > short_shape[1]
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-5, atol=1e-6)
+    assert padded_stats == stats and stats["scored"] > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_drafter_trains_as_the_eager_one(chain_target_dir, tokenizer, corpus, tmp_path, capsys):
+    """drafter.compile on: the drafter is compiled (inductor, on this CPU) for one padded shape and takes the same
+    steps as the eager drafter, up to float rounding."""
+    path, _ = corpus
+    histories = {}
+    for compile_setting in ("off", "on"):
+        P = tiny_params(compile=compile_setting, max_steps=4, log_every=1, save_every=4, max_length=96)
+        result = train_run(compile_setting, chain_target_dir, path, tmp_path / compile_setting, P, tokenizer,
+                           device="cpu")
+        histories[compile_setting] = [row["loss"] for row in result.history]
+    assert "drafter compiled in" in capsys.readouterr().out
+    assert len(histories["on"]) == len(histories["off"]) == 4
+    for eager, compiled in zip(histories["off"], histories["on"]):
+        assert abs(eager - compiled) <= 1e-3 * abs(eager), histories

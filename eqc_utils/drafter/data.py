@@ -41,9 +41,10 @@ def build_examples(rows: list[dict], tokenizer, max_length: int, min_loss_tokens
     return examples
 
 
-def collate(examples: list[Example], device) -> dict[str, torch.Tensor]:
-    """Right-padded batch (pad id 0, attention and loss mask 0 on padding)."""
-    width = max(len(e.input_ids) for e in examples)
+def collate(examples: list[Example], device, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch (pad id 0, attention and loss mask 0 on padding), as wide as its longest example or
+    `pad_to` (a fixed width: one shape for a compiled drafter)."""
+    width = max([len(e.input_ids) for e in examples] + [pad_to or 0])
     ids = torch.zeros(len(examples), width, dtype=torch.long)
     attention = torch.zeros_like(ids)
     loss = torch.zeros_like(ids)

@@ -22,19 +22,26 @@ from torch.nn import functional as F
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, num_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   generator: torch.Generator | None = None, *, fixed_count: bool = False,
+                   key_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """anchors [B, N] (ascending per row) and valid [B, N]; N = min(num_anchors, most candidates in
-    the batch). Rows with fewer candidates are padded with disabled blocks (anchor 0, valid False)."""
+    the batch), or with `fixed_count` N = min(num_anchors, width) whatever the batch holds (one shape for every
+    batch of a width: what a compiled drafter needs). Rows with fewer candidates are padded with disabled blocks
+    (anchor 0, valid False). The random keys are drawn for `key_width` positions (default: the batch width) and
+    cut to the batch width, so batches padded to different widths draw the same anchors."""
     batch, width = loss_mask.shape
     pos = torch.arange(width, device=loss_mask.device)
     candidates = loss_mask.bool() & (pos[None, :] + block_size <= lengths[:, None])
-    counts = candidates.sum(1)
-    n = int(min(num_anchors, counts.max().item()))
-    if n <= 0:
-        raise ValueError("no anchor fits in this batch: every sequence has fewer than block_size tokens after "
-                         "its first assistant token")
+    if fixed_count:
+        n = min(num_anchors, width)
+    else:
+        n = int(min(num_anchors, candidates.sum(1).max().item()))
+        if n <= 0:
+            raise ValueError("no anchor fits in this batch: every sequence has fewer than block_size tokens after "
+                             "its first assistant token")
     # uniform random subset: random keys, candidates first, take the n smallest keys
-    keys = torch.rand(batch, width, generator=generator, device="cpu").to(loss_mask.device)
+    draw = max(width, key_width or 0)
+    keys = torch.rand(batch, draw, generator=generator, device="cpu")[:, :width].to(loss_mask.device)
     keys = keys.masked_fill(~candidates, 2.0)
     chosen = keys.topk(n, dim=1, largest=False).indices
     valid = torch.gather(candidates, 1, chosen)

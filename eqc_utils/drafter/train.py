@@ -93,11 +93,15 @@ def new_drafter(P: dict, target, tokenizer, init_from: Path | None) -> DFlashDra
 
 def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generator, *,
                  compiled: bool = False) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch (call under autocast)."""
+    """Loss of one micro-batch (call under autocast). `compiled`: the drafter is compiled for one shape, so every
+    batch gets `num_anchors` blocks (disabled ones where it has fewer candidates) and should come padded to
+    `max_length` (`_micro_step` does that). Anchors are drawn over `max_length` keys either way, so padding and
+    compilation do not change which anchors a batch gets."""
     cfg = unwrap(drafter).config
     lengths = batch["attention_mask"].sum(1)
     features = context_features(target, batch["input_ids"], batch["attention_mask"], cfg.target_layer_ids)
-    anchors, valid = sample_anchors(batch["loss_mask"], lengths, cfg.block_size, P["num_anchors"], generator)
+    anchors, valid = sample_anchors(batch["loss_mask"], lengths, cfg.block_size, P["num_anchors"], generator,
+                                    fixed_count=compiled, key_width=P["max_length"])
     blocks = block_targets(batch["input_ids"], batch["loss_mask"], lengths, anchors, valid, cfg.block_size,
                            cfg.mask_token_id, P["loss_decay_gamma"])
     context_len = batch["input_ids"].shape[1]
@@ -210,20 +214,54 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
         optimizer, warmup_cosine(total_steps, max(1, int(P["warmup_ratio"] * total_steps))))
     compiled = wants_compile(P["compile"], str(accelerator.device))
     if compiled:
-        # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module;
-        # dynamic shapes, since batches differ in length and in anchor count
-        drafter.compile(dynamic=True)
+        # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module. One fixed
+        # shape (batches padded to max_length, num_anchors blocks each): a single graph, compiled once per process;
+        # with dynamic shapes inductor failed on this model (docs/gpu.md)
+        drafter.compile(dynamic=False)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)   # stepped per optimiser step, whatever the process count
     drafter.train()
     log(f"[{run.name}] {len(examples)} conversations, {steps_per_epoch} optimiser steps/epoch, "
         f"{total_steps} steps, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M trainable parameters, "
         f"device {accelerator.device}, world {world}")
-    return _Session(run=run, P=P, seed=seed, log=log, accelerator=accelerator, target=target, drafter=drafter,
-                    optimizer=optimizer, scheduler=scheduler, examples=examples, steps_per_epoch=steps_per_epoch,
-                    total_steps=total_steps, trajectory={"settings": settings, "digest": params_digest(settings)},
-                    ckpts=_checkpoints(run.out_dir), history=JsonlLog(run.out_dir / HISTORY),
-                    generator=torch.Generator().manual_seed(seed + rank), compiled=compiled)
+    session = _Session(run=run, P=P, seed=seed, log=log, accelerator=accelerator, target=target, drafter=drafter,
+                       optimizer=optimizer, scheduler=scheduler, examples=examples, steps_per_epoch=steps_per_epoch,
+                       total_steps=total_steps, trajectory={"settings": settings, "digest": params_digest(settings)},
+                       ckpts=_checkpoints(run.out_dir), history=JsonlLog(run.out_dir / HISTORY),
+                       generator=torch.Generator().manual_seed(seed + rank), compiled=compiled)
+    if compiled:
+        _compile_or_fall_back(session)
+    return session
+
+
+def _compile_or_fall_back(s: _Session) -> None:
+    """Compilation happens at the first call: make it now, on one forward and backward of the first examples
+    (gradients dropped, no optimiser step, the anchor generator untouched), and train eagerly, with a warning, if
+    this torch cannot compile the drafter. Other errors (out of memory, bad data) are raised as they are."""
+    started = time.time()
+    batch = collate(s.examples[:s.P["batch_size"]], s.accelerator.device, pad_to=s.P["max_length"])
+    try:
+        with s.accelerator.autocast():
+            loss, _ = drafter_step(s.drafter, s.target, batch, s.P, torch.Generator().manual_seed(s.seed),
+                                   compiled=True)
+        loss.backward()
+        s.log(f"[{s.run.name}] drafter compiled in {time.time() - started:.0f} s (one shape: "
+              f"{s.P['batch_size']} x {s.P['max_length']} tokens, {s.P['num_anchors']} blocks per sequence)")
+    except Exception as error:
+        if not is_compile_error(error):
+            raise
+        unwrap(s.drafter)._compiled_call_impl = None      # what nn.Module.compile set: back to the eager call
+        s.compiled = False
+        s.log(f"[{s.run.name}] WARNING drafter.compile: this torch could not compile the drafter "
+              f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}); "
+              "training eagerly")
+    finally:
+        s.optimizer.zero_grad(set_to_none=True)
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """An error of torch's compiler stack (dynamo, inductor), as opposed to one of the model or the data."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def _schedule_length(name: str, P: dict, num_examples: int, seed: int, rank: int, world: int) -> tuple[int, int]:
@@ -291,7 +329,8 @@ def _restore(s: _Session, plan: ResumePlan) -> None:
 def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[float, float]:
     """Forward and backward of one micro-batch; the optimiser steps once the accumulation is complete.
     Returns (loss, accuracy)."""
-    batch = collate([s.examples[i] for i in rows], s.accelerator.device)
+    pad_to = s.P["max_length"] if s.compiled else None      # a compiled drafter takes one shape
+    batch = collate([s.examples[i] for i in rows], s.accelerator.device, pad_to=pad_to)
     # anchors depend only on (seed, rank, epoch, batch): a resumed or re-launched run draws the same ones
     s.generator.manual_seed(s.seed + 1_000_003 * s.accelerator.process_index + 7_919 * s.counters["epoch"] + index)
     with s.accelerator.accumulate(s.drafter), s.accelerator.autocast():
