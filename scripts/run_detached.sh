@@ -40,12 +40,15 @@ show_progress() {
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
 }
 
-collect() {  # metrics, logs, figures and reports; weights and partial files stay behind
-  local dest=$1
+collect() {  # metrics, logs, figures and reports; weights, partial files and data files over 4 MB stay behind
+  local dest=$1 list
   mkdir -p "$dest"
-  tar czf "$dest/results.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.partial' \
-    runs/"$profile"/*/*.json runs/"$profile"/*/*/*.json runs/"$profile"/*/*.jsonl runs/"$profile"/*/*/*.jsonl runs/"$profile"/*/*.png \
-    runs/"$profile"/*/params.resolved.yaml runs/_figures "$LOGS" reports/"$profile" 2>/dev/null
+  list=$(mktemp)
+  find runs/"$profile" runs/_figures "$LOGS" reports/"$profile" -type f \( -name '*.json' -o -name '*.jsonl' \
+    -o -name '*.png' -o -name '*.yaml' -o -name '*.log' -o -name '*.html' -o -name '*.ipynb' \) \
+    ! -path '*/checkpoints/*' ! -name '*.partial' -size -4M 2>/dev/null > "$list"
+  tar czf "$dest/results.tar.gz" -T "$list"
+  rm -f "$list"
   ls -la "$dest/results.tar.gz"
 }
 
