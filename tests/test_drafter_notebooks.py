@@ -9,6 +9,7 @@ from eqc_utils import assets, io
 from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import greedy_generate
 from eqc_utils.drafter.runs import prompt_ids, stop_ids
+from eqc_utils.params import load_params
 from eqc_utils.paths import REPO_ROOT
 from tests._fixtures_drafter import load_causal_lm, notebook_runs
 
@@ -66,8 +67,14 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     assert [p["conversations"] for p in curve] == [2, len(rows) - 1] and [p["steps"] for p in curve] == [2, 3]
     assert curve[-1]["tau"] == pytest.approx(tau[-1]["tau"], abs=1e-9)
     assert (tmp_path / "figures" / "tiny" / "drafter_learning_curve.png").exists()
+    # the one-run curve: every checkpoint's tau against the conversations trained on by then
+    seen = io.read_json(nb06 / "pretrain" / "seen_curve.json")
+    per_step = load_params("tiny")["drafter"]["batch_size"] * load_params("tiny")["drafter"]["grad_accum"]
+    assert [(p["steps"], p["conversations_seen"]) for p in seen] == [(2, 2 * per_step), (3, 3 * per_step)]
+    assert [p["tau"] for p in seen] == [row["tau"] for row in tau]
     metrics06 = json.loads((nb06 / "metrics.json").read_text())
     assert metrics06["curve_tau"] == {str(p["conversations"]): pytest.approx(p["tau"]) for p in curve}
+    assert metrics06["seen_tau"] == {str(p["conversations_seen"]): pytest.approx(p["tau"]) for p in seen}
     assert metrics06["tau_pretrain"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
     assert metrics06["accept_pos1"] == pytest.approx(tau[-1]["acceptance_per_position"][0], abs=1e-6)
     assert metrics06["steps"] == 3 and metrics06["heldout_prompts"] == 1

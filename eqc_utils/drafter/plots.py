@@ -41,19 +41,29 @@ def plot_acceptance(tables: dict[str, list[dict]], *paths: Path):
     return fig
 
 
-def plot_learning_curve(curve: list[dict], *paths: Path):
-    """Left: held-out tau against training conversations (log scale). Right: P(draft k accepted) per size."""
+def plot_learning_curve(curve: list[dict], seen: list[dict], *paths: Path):
+    """Left: held-out tau against training conversations (log scale): `curve`, one run per data size (distinct
+    conversations, annotated with its steps), and `seen`, the full run's checkpoints against the conversations
+    trained on by then. Right: P(draft k accepted) of every point."""
     fig, (ax_tau, ax_pos) = plt.subplots(1, 2, figsize=(10, 3.5))
-    sizes = [r["conversations"] for r in curve]
-    ax_tau.plot(sizes, [r["tau"] for r in curve], marker="o")
+    if curve:
+        ax_tau.plot([r["conversations"] for r in curve], [r["tau"] for r in curve], marker="o",
+                    label="one run per data size")
     for r in curve:
         ax_tau.annotate(f"{r['steps']} steps", (r["conversations"], r["tau"]), textcoords="offset points",
                         xytext=(0, 6), ha="center", fontsize=8)
+    if seen:
+        ax_tau.plot([r["conversations_seen"] for r in seen], [r["tau"] for r in seen], marker="s", linestyle="--",
+                    label="full run, by checkpoint (conversations seen)")
+    points = [(f"{r['conversations']} distinct", r) for r in curve] + [(f"{r['conversations_seen']} seen", r)
+                                                                       for r in seen]
+    for name, r in points:
         rates = r["acceptance_per_position"]
-        ax_pos.plot(range(1, len(rates) + 1), rates, marker=".", label=f"{r['conversations']} (tau {r['tau']:.2f})")
+        ax_pos.plot(range(1, len(rates) + 1), rates, marker=".", label=f"{name} (tau {r['tau']:.2f})")
     ax_tau.set(xlabel="training conversations", ylabel="tau (tokens / verify step)", xscale="log",
                title="acceptance length vs data, held-out")
     ax_pos.set(xlabel="block position k", ylabel="P(draft k accepted)", title="acceptance per position", ylim=(0, 1))
-    ax_pos.legend(title="conversations")
+    ax_tau.legend(fontsize=8)
+    ax_pos.legend(title="conversations", fontsize=7)
     _save(fig, list(paths))
     return fig

@@ -19,13 +19,15 @@ from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
 from eqc_utils.drafter.fast_decode import UnsupportedTargetError, measure_acceptance_fast
 from eqc_utils.drafter.model import load_drafter
-from eqc_utils.drafter.train import TrainRun, checkpoint_steps, load_target, read_history, train_drafter
+from eqc_utils.drafter.train import (TrainRun, checkpoint_meta, checkpoint_steps, load_target, read_history,
+                                    train_drafter)
 from eqc_utils.generation.slots import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
 TAU_FILE = "tau.json"
 CURVE_FILE = "curve.json"
+SEEN_CURVE_FILE = "seen_curve.json"
 
 
 @dataclass
@@ -147,6 +149,18 @@ def learning_curve(full: RunResult, full_tau: list[dict], data_path: Path, out_r
     table.append({"conversations": used, "tau": full_tau[-1]["tau"], "steps": full_tau[-1]["step"],
                   "acceptance_per_position": full_tau[-1]["acceptance_per_position"]})
     io.write_json(Path(out_root) / CURVE_FILE, table)
+    return table
+
+
+def seen_curve(result: RunResult, tau_table: list[dict], P: dict) -> list[dict]:
+    """The learning curve one run gives for free: tau of each checkpoint (measured anyway) against the conversations
+    trained on by then, steps x batch_size x grad_accum x processes (past one epoch a conversation counts again).
+    Rows: conversations_seen, steps, tau, acceptance_per_position; written to `<run>/seen_curve.json`."""
+    meta = checkpoint_meta(result.out_dir, max(row["step"] for row in tau_table))
+    per_step = P["batch_size"] * P["grad_accum"] * meta["trajectory"]["settings"]["processes"]
+    table = [{"conversations_seen": row["step"] * per_step, "steps": row["step"], "tau": row["tau"],
+              "acceptance_per_position": row["acceptance_per_position"]} for row in tau_table]
+    io.write_json(result.out_dir / SEEN_CURVE_FILE, table)
     return table
 
 

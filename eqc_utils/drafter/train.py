@@ -371,5 +371,10 @@ def checkpoint_steps(out_dir: Path) -> list[tuple[int, Path]]:
     return [(step, ckpts.export_folder(step)) for step in ckpts.steps()]
 
 
+def checkpoint_meta(out_dir: Path, step: int) -> dict:
+    """meta.json of a run's checkpoint: step, counters, and the trajectory settings (processes among them)."""
+    return _checkpoints(out_dir).meta(step)
+
+
 def read_history(out_dir: Path) -> list[dict]:
     return JsonlLog(Path(out_dir) / HISTORY).read()
