@@ -22,6 +22,7 @@ Rows (milliseconds are medians over --repeats, each call bracketed by CUDA synch
   GB/s           parameter bytes / step time: the weights' share of the memory traffic a step needs
   projected      without --drafter: speed-up of speculative decoding at tau = 2, 3, 4 from the step costs,
                  tau * plain_ms / (verify_ms + draft_ms), against fast plain and against eager plain decoding
+  tau needed     the tau at which that projection reaches 1.0x (break-even), 1.5x and 2.0x fast plain
   speculative    with --drafter: measured tau, ms/token and speed-up on a few prompts (fast decoder,
                  compiled), and whether its ids equal fast greedy decoding's (bf16 may flip near-ties)
 --compile auto compiles on CUDA only (inductor's C++ builds take minutes on a small CPU).
@@ -219,6 +220,7 @@ def table(r: dict, args, compile: bool) -> list[tuple[str, str, str]]:
     for tau, p in r["projected"].items():
         rows.append((f"projected speculative, tau {tau}", f"{p['ms_per_token']:8.3f} ms/tok",
                      f"{p['speedup_vs_fast_plain']:5.2f} x fast plain, {p['speedup_vs_eager_plain']:5.2f} x eager"))
+    rows += [(f"tau needed for {x:.1f} x fast plain", f"{t:8.2f}", "") for x, t in r["tau_needed"].items()]
     if "speculative" in r:
         s = r["speculative"]
         rows += [("speculative with the drafter: tau", f"{s['tau']:8.2f}", ""),
@@ -275,6 +277,8 @@ def main() -> None:
     step = r["fast_verify_ms"] + r["fast_draft_ms"]
     r["projected"] = {tau: {"ms_per_token": step / tau, "speedup_vs_fast_plain": tau * r["fast_greedy_ms"] / step,
                             "speedup_vs_eager_plain": tau * r["eager_greedy_ms"] / step} for tau in (2, 3, 4)}
+    # the tau a drafter must reach for a given speed-up over fast plain decoding, from the same step costs
+    r["tau_needed"] = {speedup: speedup * step / r["fast_greedy_ms"] for speedup in (1.0, 1.5, 2.0)}
     if args.drafter:
         r["speculative"] = speculative_run(target, drafter, fast, args, device, compile, prompt)
     r["bench_seconds"] = time.perf_counter() - started
