@@ -80,7 +80,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
                   chunk: int = 4096) -> tuple[torch.Tensor, dict]:
     """Weighted hard-label cross-entropy through the target's LM head, computed only at positions with
     a non-zero weight (slot 0, disabled blocks and prompt tokens never reach the full-vocabulary head).
-    Returns (loss, stats) with stats = accuracy over scored positions and the number scored."""
+    Returns (loss, stats) with stats = accuracy over scored positions (a 0-dim tensor on the hidden states'
+    device, NaN where nothing is scored) and the number scored."""
     keep = weights > 0
     h, y, w = hidden[keep], labels[keep], weights[keep]
     if h.shape[0] == 0:
@@ -90,9 +91,10 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     for start in range(0, h.shape[0], chunk):
         logits = head(h[start:start + chunk])
         losses.append(F.cross_entropy(logits.float(), y[start:start + chunk], reduction="none"))
-        correct = correct + (logits.argmax(-1) == y[start:start + chunk]).sum()   # one host sync, below
+        correct = correct + (logits.argmax(-1) == y[start:start + chunk]).sum()
     loss = (torch.cat(losses) * w).sum() / (w.sum() + 1e-6)
-    return loss, {"accuracy": int(correct) / h.shape[0], "scored": int(h.shape[0])}
+    # accuracy stays a device scalar: reading it here would make the CPU wait for the GPU every step
+    return loss, {"accuracy": correct.float() / h.shape[0], "scored": int(h.shape[0])}
 
 
 def _head_ce_chunk(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -158,4 +160,4 @@ def fused_head_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.T
     if h.shape[0] == 0:
         return hidden.sum() * 0.0, {"accuracy": math.nan, "scored": 0}
     loss, correct = _FrozenHeadCrossEntropy.apply(h, head.weight, y, w, chunk, compiled)
-    return loss, {"accuracy": correct.item() / h.shape[0], "scored": int(h.shape[0])}
+    return loss, {"accuracy": correct.float() / h.shape[0], "scored": int(h.shape[0])}

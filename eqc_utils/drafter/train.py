@@ -326,9 +326,9 @@ def _restore(s: _Session, plan: ResumePlan) -> None:
               "(drafter.resume=false gives a run with one schedule)")
 
 
-def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[float, float]:
+def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[torch.Tensor, torch.Tensor | float]:
     """Forward and backward of one micro-batch; the optimiser steps once the accumulation is complete.
-    Returns (loss, accuracy)."""
+    Returns (loss, accuracy) as device scalars (accuracy 0.0 where the batch scored nothing)."""
     pad_to = s.P["max_length"] if s.compiled else None      # a compiled drafter takes one shape
     batch = collate([s.examples[i] for i in rows], s.accelerator.device, pad_to=pad_to)
     # anchors depend only on (seed, rank, epoch, batch): a resumed or re-launched run draws the same ones
@@ -340,13 +340,16 @@ def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[float, float]
             s.accelerator.clip_grad_norm_(s.drafter.parameters(), s.P["max_grad_norm"])
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
-    return loss.item(), 0.0 if math.isnan(stats["accuracy"]) else stats["accuracy"]
+    # device scalars, read only when a history row is written: a read every step would keep the CPU from
+    # preparing the next batch while the GPU still runs this one's backward
+    accuracy = stats["accuracy"]
+    return loss.detach(), (0.0 if isinstance(accuracy, float) and math.isnan(accuracy) else accuracy.detach())
 
 
 def _log_step(s: _Session, window: dict, started: float, bar) -> None:
     """One history row: this process's mean loss and accuracy since the last row (rank 0 writes it)."""
     entry = {"step": s.counters["step"], "epoch": s.counters["epoch"], "lr": s.scheduler.get_last_lr()[0],
-             "loss": window["loss"] / window["n"], "accuracy": window["accuracy"] / window["n"],
+             "loss": float(window["loss"]) / window["n"], "accuracy": float(window["accuracy"]) / window["n"],
              "seconds": round(time.time() - started, 1)}
     if s.main:
         s.history.append(entry)

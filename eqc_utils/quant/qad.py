@@ -406,6 +406,7 @@ def train_qad(params: dict, stage_dir: Path, teacher_path: Path, stop_after: int
         loss, grad_norm = _optimiser_step(s, step)
         done = step + 1
         if s.main and (done % qad["log_every"] == 0 or done == last):
+            loss = float(loss)
             s.train_log.append({"step": done, "loss": loss, "lr": s.scheduler.get_last_lr()[0],
                                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                                 "seconds": round(time.time() - started, 2)})
@@ -549,7 +550,7 @@ def _evaluate(s: _Session, step: int) -> None:
     s.student.train()
 
 
-def _optimiser_step(s: _Session, step: int) -> tuple[float, torch.Tensor | None]:
+def _optimiser_step(s: _Session, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimiser step over this process's micro-batches of `step`; (mean loss, gradient norm)."""
     qad, accelerator = s.qad, s.accelerator
     accum, world, rank = accelerator.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
@@ -571,7 +572,7 @@ def _optimiser_step(s: _Session, step: int) -> tuple[float, torch.Tensor | None]
             if accelerator.sync_gradients:
                 s.scheduler.step()
             s.optimizer.zero_grad()
-        step_loss += float(loss.detach()) / accum
+        step_loss = step_loss + loss.detach() / accum   # a device scalar, read only when logged (no per-step sync)
     return step_loss, grad_norm
 
 
