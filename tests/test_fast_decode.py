@@ -126,6 +126,27 @@ def test_fast_greedy_is_bit_identical_to_reference_greedy(arch, request):
             == greedy_generate(target, PROMPT, 48, stop_ids={stop}).output_ids == plain[:plain.index(stop) + 1])
 
 
+@pytest.mark.parametrize("stop_at", [0, 6, 7, 8, 9, 16, 18])
+def test_greedy_reads_tokens_in_groups_but_stops_where_a_token_by_token_loop_does(stop_at, chain_target_dir):
+    """greedy_loop reads the chosen tokens every STOP_CHECK_EVERY steps: the output must still end at the first stop
+    id and at max_new_tokens exactly, checked against argmax over full recomputation (no cache at all)."""
+    from eqc_utils.drafter.decode import STOP_CHECK_EVERY
+    assert STOP_CHECK_EVERY == 8   # the stop positions above straddle the group boundaries
+    target = load_causal_lm(chain_target_dir)
+    ids, oracle = list(PROMPT), []
+    with torch.no_grad():
+        for _ in range(24):
+            oracle.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(oracle[-1])
+    for budget in (0, 1, 7, 8, 9, 24):
+        assert greedy_generate(target, PROMPT, budget).output_ids == oracle[:budget]
+        assert fast_greedy_generate(target, PROMPT, budget).output_ids == oracle[:budget]
+    stop = oracle[stop_at]
+    want = oracle[:oracle.index(stop) + 1]           # the stop id may occur before stop_at
+    assert greedy_generate(target, PROMPT, 24, stop_ids={stop}).output_ids == want
+    assert fast_greedy_generate(target, PROMPT, 24, stop_ids={stop}).output_ids == want
+
+
 @pytest.mark.parametrize("arch", list(TARGETS))
 def test_fast_speculative_is_lossless_and_counts_like_decode(arch, request):
     target = target_of(arch, request)

@@ -140,20 +140,43 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
                        next(target.parameters()).device)
 
 
+STOP_CHECK_EVERY = 8   # greedy_loop: decoding steps between two reads of the chosen tokens by the host
+
+
 def greedy_loop(session, prompt_ids: list[int], max_new_tokens: int, stop_ids, temperature: float, generator,
                 device) -> DecodeResult:
     """One target forward per token on any session with `forward(ids) -> (logits, features)` (this
     module's DynamicCache session, fast_decode's static one)."""
     started = time.perf_counter()
+    if max_new_tokens <= 0:
+        return DecodeResult([], acceptance_lengths=[], seconds=0.0)
     logits, _ = session.forward(torch.tensor([prompt_ids], device=device))
     out: list[int] = []
-    while len(out) < max_new_tokens:
-        token = _pick(logits[0, -1], temperature, generator)
-        out.append(token)
-        if token in stop_ids or len(out) == max_new_tokens:
-            break
-        logits, _ = session.forward(torch.tensor([[token]], device=device))
-    return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
+    if temperature > 0:
+        while len(out) < max_new_tokens:
+            token = _pick(logits[0, -1], temperature, generator)
+            out.append(token)
+            if token in stop_ids or len(out) == max_new_tokens:
+                break
+            logits, _ = session.forward(torch.tensor([[token]], device=device))
+        return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
+    # greedy: the chosen token stays on the device and feeds the next step; the host reads the tokens (and looks
+    # for a stop id) only every STOP_CHECK_EVERY steps, so it queues step t+1 while the device still runs step t.
+    # Steps after a stop id are wasted work (fewer than STOP_CHECK_EVERY) and cut from the output.
+    pending: list[torch.Tensor] = []
+    while True:
+        token = logits[0, -1].argmax().view(1, 1)
+        pending.append(token)
+        if len(pending) == STOP_CHECK_EVERY or len(out) + len(pending) == max_new_tokens:
+            for value in torch.cat(pending).flatten().tolist():
+                out.append(value)
+                if value in stop_ids:
+                    return DecodeResult(out, acceptance_lengths=[1] * len(out),
+                                        seconds=time.perf_counter() - started)
+            pending = []
+            if len(out) == max_new_tokens:
+                return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
+        logits, _ = session.forward(token)
 
 
 class DraftFn(Protocol):
