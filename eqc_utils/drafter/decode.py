@@ -164,19 +164,18 @@ def greedy_loop(session, prompt_ids: list[int], max_new_tokens: int, stop_ids, t
     # for a stop id) only every STOP_CHECK_EVERY steps, so it queues step t+1 while the device still runs step t.
     # Steps after a stop id are wasted work (fewer than STOP_CHECK_EVERY) and cut from the output.
     pending: list[torch.Tensor] = []
-    while True:
+    while len(out) < max_new_tokens:
         token = logits[0, -1].argmax().view(1, 1)
         pending.append(token)
         if len(pending) == STOP_CHECK_EVERY or len(out) + len(pending) == max_new_tokens:
-            for value in torch.cat(pending).flatten().tolist():
-                out.append(value)
-                if value in stop_ids:
-                    return DecodeResult(out, acceptance_lengths=[1] * len(out),
-                                        seconds=time.perf_counter() - started)
-            pending = []
-            if len(out) == max_new_tokens:
-                return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
-        logits, _ = session.forward(token)
+            values, pending = torch.cat(pending).flatten().tolist(), []
+            stop = next((i for i, value in enumerate(values) if value in stop_ids), None)
+            out += values if stop is None else values[:stop + 1]
+            if stop is not None:
+                break
+        if len(out) < max_new_tokens:
+            logits, _ = session.forward(token)
+    return DecodeResult(out, acceptance_lengths=[1] * len(out), seconds=time.perf_counter() - started)
 
 
 class DraftFn(Protocol):

@@ -86,7 +86,7 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     h, y, w = hidden[keep], labels[keep], weights[keep]
     if h.shape[0] == 0:
         zero = hidden.sum() * 0.0
-        return zero, {"accuracy": math.nan, "scored": 0}
+        return zero, {"accuracy": torch.full((), math.nan, device=hidden.device), "scored": 0}
     losses, correct = [], 0
     for start in range(0, h.shape[0], chunk):
         logits = head(h[start:start + chunk])
@@ -158,6 +158,6 @@ def fused_head_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.T
     keep = weights > 0
     h, y, w = hidden[keep], labels[keep], weights[keep]
     if h.shape[0] == 0:
-        return hidden.sum() * 0.0, {"accuracy": math.nan, "scored": 0}
+        return hidden.sum() * 0.0, {"accuracy": torch.full((), math.nan, device=hidden.device), "scored": 0}
     loss, correct = _FrozenHeadCrossEntropy.apply(h, head.weight, y, w, chunk, compiled)
     return loss, {"accuracy": correct.float() / h.shape[0], "scored": int(h.shape[0])}

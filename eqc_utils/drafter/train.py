@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,7 +325,7 @@ def _restore(s: _Session, plan: ResumePlan) -> None:
               "(drafter.resume=false gives a run with one schedule)")
 
 
-def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one micro-batch; the optimiser steps once the accumulation is complete.
     Returns (loss, accuracy) as device scalars (accuracy 0.0 where the batch scored nothing)."""
     pad_to = s.P["max_length"] if s.compiled else None      # a compiled drafter takes one shape
@@ -342,8 +341,7 @@ def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[torch.Tensor,
         s.optimizer.zero_grad(set_to_none=True)
     # device scalars, read only when a history row is written: a read every step would keep the CPU from
     # preparing the next batch while the GPU still runs this one's backward
-    accuracy = stats["accuracy"]
-    return loss.detach(), (0.0 if isinstance(accuracy, float) and math.isnan(accuracy) else accuracy.detach())
+    return loss.detach(), stats["accuracy"].detach().nan_to_num(0.0)
 
 
 def _log_step(s: _Session, window: dict, started: float, bar) -> None:
