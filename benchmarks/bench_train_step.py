@@ -18,8 +18,9 @@ Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 
 Batches alternate between two lengths (--seq and --seq minus 128) as real batches do; the compiled configurations
 get both padded to --seq. The first step of each configuration's losses is compared with `plain`'s.
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
-8 x 1,024 tokens): gradient checkpointing on/off x compile of the student's decoder off/on (qad.compile).
-Needs nvidia-modelopt (the INT4 quantisers).
+8 x 1,024 tokens): gradient checkpointing on/off (ckpt / no-ckpt) x the student's INT4 forward (modelopt's
+quantiser, or `+pinned`: qad.fake_quant pinned) x compile of the student's decoder off/on (`+compile`,
+qad.compile). The first losses are compared with `ckpt`'s. Needs nvidia-modelopt (the INT4 quantisers).
 
 MFU = model FLOPs / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM); model FLOPs:
 drafter 2 x (target layers used) x context tokens + 6 x drafter x block positions + 4 x hidden x vocab x scored
@@ -211,6 +212,7 @@ def bench_drafter(args, device: str) -> list[dict]:
 def bench_qad(args, device: str) -> list[dict]:
     from eqc_utils.params import load_params
     from eqc_utils.quant import grid
+    from eqc_utils.quant.fake_quant import use_pinned_int4_forward
     from eqc_utils.quant.kl import chunked_forward_kl
     from eqc_utils.quant.qad import Distillee, teacher_hidden
 
@@ -221,12 +223,17 @@ def bench_qad(args, device: str) -> list[dict]:
     ids = torch.randint(100, SMOLLM2["vocab_size"], (args.qad_batch, args.seq), generator=gen).to(device)
     weights = torch.ones(args.qad_batch, args.seq, device=device)
     rows = []
-    for checkpointing, compiled in [(True, False), (False, False), (True, True), (False, True)]:
-        if compiled and args.no_compile:
-            continue
-        name = f"{'ckpt' if checkpointing else 'no-ckpt'}{'+compile' if compiled else ''}"
+    configs = [(ckpt, pinned, compiled) for pinned in (False, True) for compiled in (False, True) for ckpt in (True, False)]
+    names = {c: f"{'ckpt' if c[0] else 'no-ckpt'}{'+pinned' if c[1] else ''}{'+compile' if c[2] else ''}" for c in configs}
+    configs = [c for c in configs if not (args.no_compile and c[2])]
+    if args.configs:
+        configs = [c for c in configs if names[c] in args.configs.split(",")]
+    for checkpointing, pinned, compiled in configs:
+        name = names[(checkpointing, pinned, compiled)]
         lm = copy.deepcopy(teacher).train().requires_grad_(True)
         grid.attach_int4_quantizers(lm, quant)
+        if pinned:
+            use_pinned_int4_forward(lm)
         if checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compiled:
@@ -250,10 +257,11 @@ def bench_qad(args, device: str) -> list[dict]:
                      "tokens_per_s": round(ids.numel() / step), "peak_gib": peak_gib(device),
                      "mfu": 8 * n_params * ids.numel() / step / (args.peak_tflops * 1e12), "first_loss": losses[0]})
         del lm, student, optimizer
-    base = next((r["step_s"] for r in rows if r["config"] == "ckpt" and "step_s" in r), None)
+    base = next((r for r in rows if r["config"] == "ckpt" and "step_s" in r), None)
     for r in rows:
         if base and "step_s" in r:
-            r["speedup_vs_ckpt"] = round(base / r["step_s"], 2)
+            r["speedup_vs_ckpt"] = round(base["step_s"] / r["step_s"], 2)
+            r["loss_rel_diff_vs_ckpt"] = abs(r["first_loss"] - base["first_loss"]) / abs(base["first_loss"])
     return rows
 
 
@@ -271,8 +279,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled configurations (CPU smoke)")
-    ap.add_argument("--configs", help="drafter configurations to time, comma-separated (default: all), "
-                                      "e.g. plain,plain+compile")
+    ap.add_argument("--configs", help="configurations to time, comma-separated (default: all), "
+                                      "e.g. plain,plain+compile (drafter) or ckpt,no-ckpt+pinned+compile (QAD)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of two more steps per config")
     ap.add_argument("--profile-dir", type=Path, help="also write each table to PROFILE_DIR/profile_<part>_<config>.txt")

@@ -65,6 +65,25 @@ def test_resume_continues_the_same_loss_trajectory(teacher, tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-7)
 
 
+def test_pinned_and_modelopt_forwards_train_the_same_trajectory(teacher, tmp_path):
+    """qad.fake_quant only changes how the same expression is executed: identical losses, held-out KL and
+    final latent weights on CPU in fp32."""
+    runs = {}
+    for fake_quant in ("pinned", "modelopt"):
+        params = micro_params(max_steps=3, save_every=3, eval_every=3, lr=3e-4, fake_quant=fake_quant)
+        root = _prepared(tmp_path / fake_quant, teacher, params, teacher_rows(6))
+        qad.train_qad(params, root, teacher)
+        student = qad.load_student_export(qad.find_checkpoint(root, None), params["quant"])
+        runs[fake_quant] = (qad.read_logs(root), student.state_dict())
+    (train_a, eval_a), weights_a = runs["pinned"]
+    (train_b, eval_b), weights_b = runs["modelopt"]
+    assert len(train_a) == 3 and len(eval_a) >= 2
+    assert [r["loss"] for r in train_a] == [r["loss"] for r in train_b]
+    assert [r["kl"] for r in eval_a] == [r["kl"] for r in eval_b]
+    for name, value in weights_b.items():
+        assert torch.equal(weights_a[name], value), name
+
+
 def test_pack_round_trip_is_bit_exact_with_ignore_list(fixed_batch_run, tmp_path):
     params, root, _ = fixed_batch_run
     student = qad.load_student_export(qad.find_checkpoint(root, None), params["quant"])

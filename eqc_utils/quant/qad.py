@@ -36,6 +36,7 @@ from torch import nn
 from eqc_utils.devices import resolve_device, wants_compile
 from eqc_utils.io import atomic_path, describe_changes, move_aside, read_json, write_json
 from eqc_utils.quant import grid
+from eqc_utils.quant.fake_quant import use_pinned_int4_forward
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
 from eqc_utils.quant.ptq import awq_pack, dense_ptq_model, load_causal_lm, resolve_pack, student_from_pack
@@ -72,7 +73,7 @@ DATA_KEYS = ("max_rows", "max_seq_len", "val_ratio", "shuffle_seed", "mask_promp
 NEUTRAL_KEYS = frozenset({"launcher", "num_processes", "deepspeed", "log_every", "save_every", "eval_every",
                           "eval_chunks", "keep_last_ckpts", "resume", "gate_chunks", "gate_seq_len",
                           "inject_kl_tolerance", "mixed_precision", "grad_checkpointing", "kl_chunk_tokens",
-                          "compile"})
+                          "compile", "fake_quant"})
 HORIZON_KEY = "max_steps"
 
 
@@ -491,6 +492,9 @@ def _prepare(s: _Session) -> None:
     """Optimiser and schedule over every student parameter (as the reference: no freezing; the grid is
     buffers), prepared by accelerate, with the grid checked to be still pinned."""
     qad, accelerator = s.qad, s.accelerator
+    if qad["fake_quant"] == "pinned":
+        # the same values and gradients as modelopt's quantiser, without its host reads; compilable
+        use_pinned_int4_forward(s.lm)
     if qad["grad_checkpointing"]:
         s.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if wants_compile(qad["compile"], str(accelerator.device)):
