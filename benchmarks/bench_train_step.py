@@ -16,7 +16,9 @@ Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 
                   --anchors blocks each, as drafter.train does when compiling
   fused+compile   both, the loss chunks compiled too
 Batches alternate between two lengths (--seq and --seq minus 128) as real batches do; the compiled configurations
-get both padded to --seq. The first step of each configuration's losses is compared with `plain`'s.
+get both padded to --seq. The first step of each configuration's losses is compared with `plain`'s. `--configs NAME@BxA` gives a configuration
+its own shape (B sequences x A anchors) so that shapes can be compared side by side per sequence, e.g.
+    python benchmarks/bench_train_step.py --only drafter --configs plain@16x256,fused+compile@32x256,fused+compile@48x128
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
 8 x 1,024 tokens): gradient checkpointing on/off (ckpt / no-ckpt) x the student's INT4 forward (modelopt's
 quantiser, or `+pinned`: qad.fake_quant pinned) x compile of the student's decoder off/on (`+compile`,
@@ -77,12 +79,13 @@ def random_target(device: str, dtype: torch.dtype):
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def batches(args, device: str) -> list[dict]:
-    """Two synthetic chat-shaped batches: a 64-token prompt, then assistant tokens (scored) to the end."""
+def batches(args, device: str, batch: int | None = None) -> list[dict]:
+    """Two synthetic chat-shaped batches of `batch` (default --batch) sequences: a 64-token prompt, then assistant
+    tokens (scored) to the end."""
     out = []
     gen = torch.Generator().manual_seed(1)
     for length in (args.seq, args.seq - 128):
-        ids = torch.randint(100, SMOLLM2["vocab_size"], (args.batch, length), generator=gen)
+        ids = torch.randint(100, SMOLLM2["vocab_size"], (batch or args.batch, length), generator=gen)
         loss_mask = torch.ones_like(ids)
         loss_mask[:, :64] = 0
         out.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
@@ -96,11 +99,11 @@ def pad_to(batch: dict, width: int) -> dict:
     return {key: torch.nn.functional.pad(value, (0, extra)) for key, value in batch.items()}
 
 
-def drafter_flops(target, drafter, batch: dict, args, scored: int) -> float:
+def drafter_flops(target, drafter, batch: dict, args, scored: int, anchors: int) -> float:
     used_layers = max(drafter.config.target_layer_ids) + 1
     per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
     context = batch["input_ids"].numel()
-    positions = args.batch * args.anchors * args.block
+    positions = batch["input_ids"].shape[0] * anchors * args.block
     cfg = target.config
     return (2 * used_layers * per_layer * context + 6 * sum(p.numel() for p in drafter.parameters()) * positions
             + 4 * cfg.hidden_size * cfg.vocab_size * scored)
@@ -162,15 +165,22 @@ def bench_drafter(args, device: str) -> list[dict]:
                              mask_token_id=16)
     torch.manual_seed(0)
     init = DFlashDrafter(cfg).to(device)
-    data = batches(args, device)
-    configs = [("plain", False, False), ("fused", True, False), ("plain+compile", False, True),
-               ("fused+compile", True, True)]
-    configs = [c for c in configs if not (args.no_compile and c[2])]
-    if args.configs:
-        configs = [c for c in configs if c[0] in args.configs.split(",")]
+    kinds = {"plain": (False, False), "fused": (True, False), "plain+compile": (False, True),
+             "fused+compile": (True, True)}
+    specs = args.configs.split(",") if args.configs else list(kinds)
+    configs = []
+    for spec in specs:       # NAME or NAME@BxA: B sequences x A anchors instead of --batch x --anchors
+        name, _, shape = spec.partition("@")
+        if name not in kinds:
+            continue         # a QAD configuration name
+        batch, anchors = (int(v) for v in shape.split("x")) if shape else (args.batch, args.anchors)
+        if not (args.no_compile and kinds[name][1]):
+            configs.append((spec, *kinds[name], batch, anchors))
+    data_of = {}
     rows, first_losses = [], {}
-    for name, fused, compiled in configs:
-        P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
+    for name, fused, compiled, batch, anchors in configs:
+        data = data_of.setdefault(batch, batches(args, device, batch))
+        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
              "max_length": args.seq}
         drafter = copy.deepcopy(init)
         if compiled:   # as drafter.train does: one shape, batches padded to max_length (--seq)
@@ -193,19 +203,23 @@ def bench_drafter(args, device: str) -> list[dict]:
             continue
         step = statistics.median(times)
         first_losses[name] = losses[0]
-        flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)))
-        rows.append({"part": "drafter", "config": name, "step_s": round(step, 4),
+        flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)), anchors)
+        rows.append({"part": "drafter", "config": name, "sequences": batch, "anchors": anchors,
+                     "step_s": round(step, 4), "sequence_ms": round(1000 * step / batch, 3),
                      "first_step_s": round(first_step_s, 2),
-                     "context_tokens_per_s": round(args.batch * (args.seq - 64) / step),
-                     "block_positions_per_s": round(args.batch * args.anchors * args.block / step),
+                     "context_tokens_per_s": round(batch * (args.seq - 64) / step),
+                     "block_positions_per_s": round(batch * anchors * args.block / step),
                      "peak_gib": peak_gib(device), "mfu": flops / step / (args.peak_tflops * 1e12),
                      "first_loss": losses[0], "loss_rel_diff_vs_plain":
                          abs(losses[0] - first_losses["plain"]) / first_losses["plain"] if "plain" in first_losses else None})
         del drafter, optimizer
-    base = next((r["step_s"] for r in rows if r["config"] == "plain" and "step_s" in r), None)
+    base = next((r for r in rows if r["config"] == "plain" and "step_s" in r), None)
+    first = next((r for r in rows if "step_s" in r), None)
     for r in rows:
         if base and "step_s" in r:
-            r["speedup_vs_plain"] = round(base / r["step_s"], 2)
+            r["speedup_vs_plain"] = round(base["step_s"] / r["step_s"], 2)
+        if first and "step_s" in r:    # per sequence: configurations may differ in shape
+            r["per_sequence_speedup_vs_first"] = round(first["sequence_ms"] / r["sequence_ms"], 2)
     return rows
 
 
@@ -279,8 +293,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled configurations (CPU smoke)")
-    ap.add_argument("--configs", help="configurations to time, comma-separated (default: all), "
-                                      "e.g. plain,plain+compile (drafter) or ckpt,no-ckpt+pinned+compile (QAD)")
+    ap.add_argument("--configs", help="configurations to time, comma-separated (default: all), e.g. "
+                                      "plain,plain+compile (drafter) or ckpt,no-ckpt+pinned+compile (QAD); a drafter "
+                                      "one may name its shape, NAME@BxA: B sequences x A anchors (plain@16x256)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of two more steps per config")
     ap.add_argument("--profile-dir", type=Path, help="also write each table to PROFILE_DIR/profile_<part>_<config>.txt")
@@ -292,7 +307,8 @@ def main() -> None:
         rows += bench_drafter(args, device)
     if args.only in (None, "qad"):
         rows += bench_qad(args, device)
-    keys = ["part", "config", "step_s", "speedup_vs_plain", "speedup_vs_ckpt", "mfu", "peak_gib", "first_loss", "error"]
+    keys = ["part", "config", "step_s", "sequence_ms", "speedup_vs_plain", "per_sequence_speedup_vs_first",
+            "speedup_vs_ckpt", "mfu", "peak_gib", "first_loss", "error"]
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join("" if r.get(k) is None else f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
