@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eqc_utils.quant.grid import INT4_MAX, INT4_MIN, GridError, quantized_modules
-
-ZERO_AMAX = 1.0 / (1 << 24)     # modelopt: a group whose amax is at most this quantises to 0
+from eqc_utils.quant.grid import INT4_MAX, INT4_MIN, ZERO_AMAX, GridError, int4_step, quantized_modules
 
 
 class PinnedInt4(torch.autograd.Function):
@@ -32,13 +30,11 @@ class PinnedInt4(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, amax: torch.Tensor, group: int) -> torch.Tensor:
         blocked = weight.float().reshape(-1, group)
-        zero = amax <= ZERO_AMAX
-        # a tensor divided by a tensor, as modelopt does: `7 / amax` would be reciprocal-then-multiply, an ulp off
-        step = torch.where(zero, 0.0, amax.new_tensor(float(INT4_MAX)) / amax)
+        step = int4_step(amax)                  # grid_codes' scale: the codes are the pack's
         codes = torch.clamp((blocked * step).round_(), INT4_MIN, INT4_MAX)
         ctx.save_for_backward(weight, amax)
         ctx.group = group
-        return (codes / torch.where(zero, 1.0, step)).reshape(weight.shape).to(weight.dtype)
+        return (codes / torch.where(amax <= ZERO_AMAX, 1.0, step)).reshape(weight.shape).to(weight.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

@@ -19,6 +19,7 @@ from torch import nn
 
 INT4_MAX = 7          # largest positive INT4 code; with narrow range off the smallest is -8
 INT4_MIN = -8
+ZERO_AMAX = 1.0 / (1 << 24)   # modelopt: a group whose amax is at most this quantises to 0
 
 
 class GridError(ValueError):
@@ -126,15 +127,20 @@ def restore_amax(model: nn.Module, amax: dict[str, torch.Tensor]) -> int:
     return pin_grid(model, {name: value / INT4_MAX for name, value in amax.items()})
 
 
+def int4_step(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 7 / amax per group, 0 where amax <= ZERO_AMAX: modelopt's scale. A tensor divided by a tensor, as
+    modelopt does (`7 / amax` in torch is reciprocal-then-multiply, an ulp off)."""
+    amax = amax.float()
+    return torch.where(amax <= ZERO_AMAX, 0.0, amax.new_tensor(float(INT4_MAX)) / amax)
+
+
 @torch.no_grad()
 def grid_codes(module: nn.Module) -> torch.Tensor:
     """int8 [out, in] codes of the latent weight: modelopt's expression round(W * (7 / amax))."""
     out_features, groups, group = _grouped_shape(module)
     weight = module.weight.detach().float().reshape(out_features, groups, group)
     amax = module.weight_quantizer.amax.detach().float().reshape(out_features, groups, 1)
-    step = torch.tensor(float(INT4_MAX), device=amax.device) / amax
-    step[amax <= 1.0 / (1 << 24)] = 0  # modelopt: a zero group quantises to 0
-    codes = torch.clamp((weight * step).round_(), INT4_MIN, INT4_MAX)
+    codes = torch.clamp((weight * int4_step(amax)).round_(), INT4_MIN, INT4_MAX)
     return codes.reshape(out_features, groups * group).to(torch.int8)
 
 
@@ -147,7 +153,7 @@ def check_codes_are_quantizer_output(module: nn.Module) -> None:
     amax = module.weight_quantizer.amax.detach().float().reshape(out_features, groups, 1)
     fake_quant = module.weight_quantizer(module.weight.detach().float()).float()
     recovered = (fake_quant.reshape(out_features, groups, group) * (INT4_MAX / amax)).round()
-    recovered[(amax <= 1.0 / (1 << 24)).expand_as(recovered)] = 0
+    recovered[(amax <= ZERO_AMAX).expand_as(recovered)] = 0
     if not torch.equal(recovered.reshape(out_features, -1).to(torch.int8), grid_codes(module)):
         raise GridError("grid_codes disagrees with modelopt's fake quantiser: the pin proof cannot stand")
 
