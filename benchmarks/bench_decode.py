@@ -23,6 +23,9 @@ Rows (milliseconds are medians over --repeats, each call bracketed by CUDA synch
   projected      without --drafter: speed-up of speculative decoding at tau = 2, 3, 4 from the step costs,
                  tau * plain_ms / (verify_ms + draft_ms), against fast plain and against eager plain decoding
   tau needed     the tau at which that projection reaches 1.0x (break-even), 1.5x and 2.0x fast plain
+  loop step      the speculative loop's measured cost per step with the same drafter, host work included:
+                 acceptance kept on the device (read every few steps) vs read after every step; and the tau
+                 each needs for 1.0x, 1.5x and 2.0x fast plain
   speculative    with --drafter: measured tau, ms/token and speed-up on a few prompts (fast decoder,
                  compiled), and whether its ids equal fast greedy decoding's (bf16 may flip near-ties)
 --compile auto compiles on CUDA only (inductor's C++ builds take minutes on a small CPU).
@@ -158,6 +161,29 @@ def greedy_ms_per_token(generate, prompt: list[int], args, device: str) -> float
     return statistics.median((timed(n) - timed(1)) * 1e3 / (n - 1) for _ in range(args.gen_repeats))
 
 
+def loop_step_ms(target, drafter, fast: StaticTarget, prompt: list[int], args, device: str, compile: bool) -> dict:
+    """The speculative loop's own cost per step (draft + verify + accept + commit, with the host's part), at the
+    benchmark's context: median over repeats of (t(N tokens) - t(1 token)) / (steps of N), for the loop that
+    keeps acceptance on the device and for the one that reads it after every step, side by side."""
+    proposer = StaticDFlashProposer(drafter, target, fast.max_cache_len, args.block, compile=compile)
+    decoder = FastSpeculativeDecoder(fast, proposer)
+    out = {}
+    for name, generate in (("on_device", decoder.generate_on_device), ("stepwise", decoder.generate_stepwise)):
+        def timed(n: int) -> tuple[float, int]:
+            sync(device)
+            started = time.perf_counter()
+            steps = len(generate(prompt, n).acceptance_lengths)
+            sync(device)
+            return time.perf_counter() - started, steps
+        timed(args.new_tokens)                          # warm-up (compilation, graph capture)
+        per_step = []
+        for _ in range(args.gen_repeats):
+            (t_n, steps), (t_1, _) = timed(args.new_tokens), timed(1)
+            per_step.append((t_n - t_1) * 1e3 / steps)
+        out[name] = statistics.median(per_step)
+    return out
+
+
 def chat_prompts(args, target) -> tuple[list[list[int]], set[int]]:
     """Chat-templated questions when the target folder has a tokenizer, else the random context prompt."""
     try:
@@ -221,6 +247,9 @@ def table(r: dict, args, compile: bool) -> list[tuple[str, str, str]]:
         rows.append((f"projected speculative, tau {tau}", f"{p['ms_per_token']:8.3f} ms/tok",
                      f"{p['speedup_vs_fast_plain']:5.2f} x fast plain, {p['speedup_vs_eager_plain']:5.2f} x eager"))
     rows += [(f"tau needed for {x:.1f} x fast plain", f"{t:8.2f}", "") for x, t in r["tau_needed"].items()]
+    for loop, step in r["loop_step_ms"].items():
+        needed = ", ".join(f"{t:.2f} for {x:.1f}x" for x, t in r["tau_needed_in_loop"][loop].items())
+        rows.append((f"speculative loop step, {loop.replace('_', ' ')}, {how}", f"{step:8.3f} ms", f"tau {needed}"))
     if "speculative" in r:
         s = r["speculative"]
         rows += [("speculative with the drafter: tau", f"{s['tau']:8.2f}", ""),
@@ -279,6 +308,10 @@ def main() -> None:
                             "speedup_vs_eager_plain": tau * r["eager_greedy_ms"] / step} for tau in (2, 3, 4)}
     # the tau a drafter must reach for a given speed-up over fast plain decoding, from the same step costs
     r["tau_needed"] = {speedup: speedup * step / r["fast_greedy_ms"] for speedup in (1.0, 1.5, 2.0)}
+    r["loop_step_ms"] = loop_step_ms(target, drafter, fast, prompt, args, device, compile)
+    # the same, from the loop as it runs: its step cost includes what the host adds between the two passes
+    r["tau_needed_in_loop"] = {loop: {speedup: speedup * ms / r["fast_greedy_ms"] for speedup in (1.0, 1.5, 2.0)}
+                               for loop, ms in r["loop_step_ms"].items()}
     if args.drafter:
         r["speculative"] = speculative_run(target, drafter, fast, args, device, compile, prompt)
     r["bench_seconds"] = time.perf_counter() - started

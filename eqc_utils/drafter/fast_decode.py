@@ -148,7 +148,24 @@ class StaticTarget:
         self.length += n
         return logits, features
 
-    def rewind(self, length: int) -> None:
+    @torch.no_grad()
+    def forward_at(self, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with the position held on the device (a 0-dim long tensor): the cache is cut back to
+        `start` and `ids` [1, T] go there, with no host read. The caller keeps start + T within
+        max_cache_len: past it the cache write fails on the device, not here."""
+        n = ids.shape[1]
+        self.rewind(start)
+        positions = (start + torch.arange(n, device=self.device))[None]
+        if self.compiled is not None and n in (1, self.block_size):
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, features = self.compiled(ids, positions)
+            logits, features = logits.clone(), None if features is None else features.clone()
+        else:
+            logits, features = self._forward(ids, positions)
+        self.length = None                      # known on the device only, until the next rewind(int)
+        return logits, features
+
+    def rewind(self, length: int | torch.Tensor) -> None:
         """Forget positions >= length: keys there are masked, then overwritten (module docstring)."""
         for layer in self.cache.layers:
             if isinstance(layer.cumulative_length, torch.Tensor):
@@ -199,11 +216,30 @@ class StaticDFlashProposer(DraftFn):
         hidden = self.drafter(embeds, self.features, positions, mask=mask)
         return output_head(self.target)(hidden[0, 1:]).float()
 
-    @torch.no_grad()
-    def __call__(self, anchor_token: int, start: int, new_context: torch.Tensor) -> torch.Tensor:
+    def _buffer_for(self, new_context: torch.Tensor) -> None:
         if self.features is None or self.features.dtype != new_context.dtype:
             self.features = new_context.new_zeros(1, self.max_len, new_context.shape[-1])
             torch._dynamo.mark_static_address(self.features)   # updated in place, read by the graph
+
+    @torch.no_grad()
+    def draft_at(self, anchor: torch.Tensor, start: torch.Tensor, context: torch.Tensor,
+                 context_at: torch.Tensor) -> torch.Tensor:
+        """`__call__` with everything on the device: anchor [1], start and context_at 0-dim long tensors.
+        All rows of `context` [1, n, F] are written from `context_at` on, also those past `start` (a
+        verified block's rejected tail): the mask hides positions >= start, and the next block's context
+        overwrites them. Same drafts as `__call__`, with no host read."""
+        self._buffer_for(context)
+        rows = context_at + torch.arange(context.shape[1], device=context.device)
+        self.features.index_copy_(1, rows, context)
+        self.length = None                      # the host no longer tracks it (see __call__)
+        if self.compiled is None:
+            return self._block_pass(anchor, start)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(anchor, start).clone()
+
+    @torch.no_grad()
+    def __call__(self, anchor_token: int, start: int, new_context: torch.Tensor) -> torch.Tensor:
+        self._buffer_for(new_context)
         n = new_context.shape[1]
         if self.length + n != start or start > self.max_len:
             raise ValueError(f"StaticDFlashProposer: context {self.length} + {n} != block start {start} "
@@ -271,10 +307,71 @@ class FastSpeculativeDecoder:
         self.target.rewind(start + committed)
         return features[:, :committed]
 
-    # --- the loop ---------------------------------------------------------------------------------
+    # --- the loops --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
                  temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
+        """Greedy decoding with the fixed-shape drafter runs `generate_on_device` (same ids and statistics);
+        sampling, and drafters without `draft_at`, run the named steps with one host read per step."""
+        if temperature == 0 and isinstance(self.proposer, StaticDFlashProposer):
+            return self.generate_on_device(prompt_ids, max_new_tokens, stop_ids)
+        return self.generate_stepwise(prompt_ids, max_new_tokens, stop_ids, temperature, generator)
+
+    @torch.no_grad()
+    def generate_on_device(self, prompt_ids: list[int], max_new_tokens: int,
+                           stop_ids: set[int] = frozenset()) -> DecodeResult:
+        """Greedy speculative decoding whose steps never wait for the host: the anchor, the block start, the
+        accepted count and the drafter's new context stay on the device, and the host reads the steps'
+        (target argmaxes, accepted) every STEPS_PER_READ steps, so it queues step t+1 while the device runs
+        step t. The emitted tokens of a step are the target's argmaxes up to the accepted count (the
+        accepted drafts equal them), then the bonus. Steps queued past a stop or the budget are discarded
+        work; statistics count the steps up to the finishing one, as generate_stepwise does."""
+        block = self.block
+        stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+        started = time.perf_counter()
+        if max_new_tokens <= 0:
+            return stats
+        logits, context = self.prefill(prompt_ids)
+        token = logits.argmax(-1).view(1)
+        out = [int(token)]                      # the one read outside the steps: the first token
+        finished = out[0] in stop_ids or len(out) >= max_new_tokens
+        known_start = len(prompt_ids)           # block start after the steps read so far
+        start = torch.tensor(known_start, device=self.device)
+        context_at = torch.zeros((), dtype=torch.long, device=self.device)
+        pending: list[torch.Tensor] = []        # per queued step: [target argmax x B, accepted]
+        while not finished:
+            # each queued step moves the start by at most B: read first if another could pass the cache's end
+            if pending and (len(pending) == STEPS_PER_READ or len(out) + len(pending) >= max_new_tokens
+                            or known_start + block * (len(pending) + 1) > self.target.max_cache_len):
+                for row in torch.stack(pending).tolist():
+                    accepted, tokens = row[-1], row[:row[-1] + 1]
+                    _count(stats, accepted, block)
+                    emitted, finished = _emit(tokens, out, max_new_tokens, stop_ids)
+                    out += emitted
+                    known_start += accepted + 1
+                    if finished:
+                        break
+                pending = []
+                continue
+            if known_start + block > self.target.max_cache_len:
+                raise ValueError(f"FastSpeculativeDecoder: a block at {known_start} passes max_cache_len="
+                                 f"{self.target.max_cache_len}; size the cache with cache_len_for")
+            drafts = self.proposer.draft_at(token, start, context, context_at).argmax(-1)
+            logits, features = self.target.forward_at(torch.cat([token, drafts])[None], start)
+            predicted = logits[0].argmax(-1)
+            accepted = (drafts == predicted[:-1]).long().cumprod(0).sum()
+            pending.append(torch.cat([predicted, accepted.view(1)]))
+            token = predicted.gather(0, accepted.view(1))    # gather, not [accepted]: indexing would read it
+            context, context_at = features, start
+            start = start + accepted + 1
+        stats.output_ids = out
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    @torch.no_grad()
+    def generate_stepwise(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                          temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
+        """The named steps in turn, the host reading (accepted, next token) after every verification."""
         block = self.block
         stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
         started = time.perf_counter()
@@ -303,6 +400,9 @@ class FastSpeculativeDecoder:
         stats.output_ids = out
         stats.seconds = time.perf_counter() - started
         return stats
+
+
+STEPS_PER_READ = 4   # generate_on_device: speculative steps queued between two host reads
 
 
 def _count(stats: DecodeResult, accepted: int, block: int) -> None:
