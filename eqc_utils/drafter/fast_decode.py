@@ -327,7 +327,7 @@ class FastSpeculativeDecoder:
         accepted drafts equal them), then the bonus. Steps queued past a stop or the budget are discarded
         work; statistics count the steps up to the finishing one, as generate_stepwise does."""
         block = self.block
-        stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+        stats = _empty_stats(block)
         started = time.perf_counter()
         if max_new_tokens <= 0:
             return stats
@@ -373,7 +373,7 @@ class FastSpeculativeDecoder:
                           temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
         """The named steps in turn, the host reading (accepted, next token) after every verification."""
         block = self.block
-        stats = DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
+        stats = _empty_stats(block)
         started = time.perf_counter()
         if max_new_tokens <= 0:
             return stats
@@ -400,6 +400,10 @@ class FastSpeculativeDecoder:
         stats.output_ids = out
         stats.seconds = time.perf_counter() - started
         return stats
+
+
+def _empty_stats(block: int) -> DecodeResult:
+    return DecodeResult([], accepted_at=[0] * (block - 1), drafted_at=[0] * (block - 1))
 
 
 STEPS_PER_READ = 4   # generate_on_device: speculative steps queued between two host reads
