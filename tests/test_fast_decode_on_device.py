@@ -116,3 +116,14 @@ def test_queued_steps_never_pass_the_end_of_a_tight_cache(chain_target_dir):
     with pytest.raises(ValueError, match="cache_len_for"):
         decoder.generate(PROMPT, 40)
     assert cache_len_for(len(PROMPT), 40, 6) >= tight
+
+
+def test_plain_forward_after_the_device_loop_asks_for_a_rewind(chain_target_dir):
+    target = load_causal_lm(chain_target_dir)
+    session = StaticTarget(target, 64, [0], 6)
+    session.forward(torch.tensor([PROMPT]))
+    session.forward_at(torch.tensor([[198] * 6]), torch.tensor(len(PROMPT)))
+    with pytest.raises(RuntimeError, match="rewind"):
+        session.forward(torch.tensor([[198]]))
+    session.rewind(len(PROMPT) + 2)
+    assert session.forward(torch.tensor([[198]]))[0].shape == (1, 1, target.config.vocab_size)

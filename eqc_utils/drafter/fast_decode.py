@@ -13,6 +13,10 @@ CUDA graphs. The steps are those of decode.py, each a method that can be called 
   accept    greedy longest-prefix match + bonus token, or rejection sampling (decode.rejection_accept)
   commit    move the target's cache length back to the accepted prefix
 
+Greedy decoding with the fixed-shape drafter runs these steps without a host read between them
+(`FastSpeculativeDecoder.generate_on_device`: anchor, start and accepted count stay on the device; the
+host reads the steps' tokens every few steps), so the host queues the next step while the device runs one.
+
 Why rollback is only moving a length (transformers 5.16+, which no longer take `cache_position`):
 each `StaticLayer` writes new keys at its own `cumulative_length` counter, and the causal mask puts the
 queries at that same counter, so a key at or past the counter is either masked (after the query) or
@@ -135,6 +139,9 @@ class StaticTarget:
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append `ids` [1, T]; returns (logits [1, T, V] fp32, features [1, T, F] or None)."""
         n = ids.shape[1]
+        if self.length is None:
+            raise RuntimeError("StaticTarget: after forward_at its length lives on the device; call rewind(n) or "
+                               "reset() before forward")
         if self.length + n > self.max_cache_len:
             raise ValueError(f"StaticTarget: {self.length} + {n} tokens exceed max_cache_len={self.max_cache_len}")
         positions = torch.arange(self.length, self.length + n, device=self.device)[None]
