@@ -147,15 +147,19 @@ def step_costs(target, drafter, prompt: list[int], args, device: str, compile: b
     return out, fast
 
 
+def timed_generate(generate, prompt: list[int], n: int, device: str):
+    """(seconds, result) of one generate(prompt, n) call, bracketed by device synchronisation."""
+    sync(device)
+    started = time.perf_counter()
+    result = generate(prompt, n)
+    sync(device)
+    return time.perf_counter() - started, result
+
+
 def greedy_ms_per_token(generate, prompt: list[int], args, device: str) -> float:
     """Median over repeats of (t(N tokens) - t(1 token)) / (N - 1), the two runs back to back: decoding cost
     without the prefill."""
-    def timed(n: int) -> float:
-        sync(device)
-        started = time.perf_counter()
-        generate(prompt, n)
-        sync(device)
-        return time.perf_counter() - started
+    timed = lambda n: timed_generate(generate, prompt, n, device)[0]  # noqa: E731
     n = args.new_tokens
     timed(n)                                            # warm-up (compilation, graph capture)
     return statistics.median((timed(n) - timed(1)) * 1e3 / (n - 1) for _ in range(args.gen_repeats))
@@ -169,17 +173,11 @@ def loop_step_ms(target, drafter, fast: StaticTarget, prompt: list[int], args, d
     decoder = FastSpeculativeDecoder(fast, proposer)
     out = {}
     for name, generate in (("on_device", decoder.generate_on_device), ("stepwise", decoder.generate_stepwise)):
-        def timed(n: int) -> tuple[float, int]:
-            sync(device)
-            started = time.perf_counter()
-            steps = len(generate(prompt, n).acceptance_lengths)
-            sync(device)
-            return time.perf_counter() - started, steps
-        timed(args.new_tokens)                          # warm-up (compilation, graph capture)
+        timed_generate(generate, prompt, args.new_tokens, device)     # warm-up (compilation, graph capture)
         per_step = []
         for _ in range(args.gen_repeats):
-            (t_n, steps), (t_1, _) = timed(args.new_tokens), timed(1)
-            per_step.append((t_n - t_1) * 1e3 / steps)
+            (t_n, result), (t_1, _) = (timed_generate(generate, prompt, n, device) for n in (args.new_tokens, 1))
+            per_step.append((t_n - t_1) * 1e3 / len(result.acceptance_lengths))
         out[name] = statistics.median(per_step)
     return out
 

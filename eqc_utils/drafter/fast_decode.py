@@ -145,15 +145,18 @@ class StaticTarget:
         if self.length + n > self.max_cache_len:
             raise ValueError(f"StaticTarget: {self.length} + {n} tokens exceed max_cache_len={self.max_cache_len}")
         positions = torch.arange(self.length, self.length + n, device=self.device)[None]
-        if self.compiled is not None and n in (1, self.block_size) and self.length > 0:
+        logits, features = self._run(ids, positions, graphable=self.length > 0)
+        self.length += n
+        return logits, features
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, graphable: bool = True):
+        """The compiled graph for the 1- and B-token shapes (not for a prompt: `graphable` False), else eager."""
+        if self.compiled is not None and ids.shape[1] in (1, self.block_size) and graphable:
             torch.compiler.cudagraph_mark_step_begin()
             logits, features = self.compiled(ids, positions)
             # graph outputs live in memory the next replay overwrites
-            logits, features = logits.clone(), None if features is None else features.clone()
-        else:
-            logits, features = self._forward(ids, positions)
-        self.length += n
-        return logits, features
+            return logits.clone(), None if features is None else features.clone()
+        return self._forward(ids, positions)
 
     @torch.no_grad()
     def forward_at(self, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -162,13 +165,7 @@ class StaticTarget:
         max_cache_len: past it the cache write fails on the device, not here."""
         n = ids.shape[1]
         self.rewind(start)
-        positions = (start + torch.arange(n, device=self.device))[None]
-        if self.compiled is not None and n in (1, self.block_size):
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, features = self.compiled(ids, positions)
-            logits, features = logits.clone(), None if features is None else features.clone()
-        else:
-            logits, features = self._forward(ids, positions)
+        logits, features = self._run(ids, (start + torch.arange(n, device=self.device))[None])
         self.length = None                      # known on the device only, until the next rewind(int)
         return logits, features
 
@@ -239,6 +236,9 @@ class StaticDFlashProposer(DraftFn):
         rows = context_at + torch.arange(context.shape[1], device=context.device)
         self.features.index_copy_(1, rows, context)
         self.length = None                      # the host no longer tracks it (see __call__)
+        return self._run(anchor, start)
+
+    def _run(self, anchor: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         if self.compiled is None:
             return self._block_pass(anchor, start)
         torch.compiler.cudagraph_mark_step_begin()
@@ -254,11 +254,7 @@ class StaticDFlashProposer(DraftFn):
         self.features[:, self.length:start] = new_context
         self.length = start
         device = new_context.device
-        args = torch.tensor([anchor_token], device=device), torch.tensor(start, device=device)
-        if self.compiled is None:
-            return self._block_pass(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return self.compiled(*args).clone()
+        return self._run(torch.tensor([anchor_token], device=device), torch.tensor(start, device=device))
 
 
 class FastSpeculativeDecoder:
