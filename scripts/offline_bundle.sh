@@ -3,6 +3,8 @@
 #
 #   bash scripts/offline_bundle.sh                     # -> .bundle/wheels, .bundle/assets
 #   bash scripts/offline_bundle.sh --split-mib 60      # also cut large asset files into pieces of <= 60 MiB
+#   bash scripts/offline_bundle.sh --tilelang          # also tilelang (+ apache-tvm-ffi, z3-solver): fla's Gated-DeltaNet
+#                                                      # backward on Hopper with Triton < 3.7.1 (QAD of Qwen3.5), ~80 MB
 #
 # The node is expected to bring its own CUDA PyTorch and transformers (a cluster's container image usually does);
 # the bundle holds the rest for Python $EQC_BUNDLE_PYTHON (default 3.12, x86-64 manylinux wheels): nvidia-modelopt,
@@ -13,7 +15,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 split_mib=0
-[[ "${1:-}" == "--split-mib" ]] && split_mib=${2:?--split-mib needs a size in MiB}
+tilelang=0
+while (( $# )); do
+  case "$1" in
+    --split-mib) split_mib=${2:?--split-mib needs a size in MiB}; shift 2 ;;
+    --tilelang) tilelang=1; shift ;;
+    *) echo "offline_bundle.sh: unknown option $1 (use --split-mib N, --tilelang)" >&2; exit 2 ;;
+  esac
+done
 bundle=${EQC_BUNDLE:-.bundle}
 pyver=${EQC_BUNDLE_PYTHON:-3.12}
 grep -qx "/$bundle/" .git/info/exclude 2>/dev/null || echo "/$bundle/" >> .git/info/exclude
@@ -25,6 +34,11 @@ mkdir -p "$bundle/wheels" "$bundle/assets"
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$bundle/wheels" nvidia-modelopt==0.42.0 compressed-tensors==0.17.0 \
   gguf pydantic pydantic-core annotated-types typing-inspection loguru pulp orloge cpsat-logutils \
   flash-linear-attention fla-core
+if (( tilelang )); then
+  # the node's torch, numpy, psutil, tqdm and typing-extensions serve tilelang; the rest comes along
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$bundle/wheels" tilelang==0.1.9 "apache-tvm-ffi~=0.1.2" \
+    torch-c-dlpack-ext "z3-solver>=4.13,<4.15.5" "ml-dtypes>=0.5.1" cloudpickle
+fi
 # papermill + nbconvert + ipykernel with their dependencies, minus what GPU images already carry
 tmp=$(mktemp -d)
 python3 -m pip download -q "${plat[@]}" -d "$tmp" papermill==2.7.* nbconvert ipykernel
