@@ -184,6 +184,8 @@ SCHEMA: dict = {
         "epochs": int,
         "max_steps": Opt(int),             # optimiser-step cap per run; null = epochs decide
         "batch_size": int,                 # sequences per micro-batch per device
+        "length_grouping": int,            # batches drawn from windows of this many batches sorted by length (0: off)
+        "pad_multiple": Opt(int),          # compiled drafter: pad a batch to the next multiple of this (null: max_length)
         "grad_accum": int,
         "lr": float,
         "warmup_ratio": float,

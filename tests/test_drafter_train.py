@@ -36,6 +36,41 @@ def test_heldout_prompts_take_all_their_samples_out_of_training():
     assert {r["id"] for r in single} == held
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_length_grouped_batches_are_a_shuffle_of_similar_lengths(world):
+    from eqc_utils.drafter.data import epoch_batches
+    lengths = [int(x) for x in torch.randint(20, 1000, (203,), generator=torch.Generator().manual_seed(0))]
+    plain = epoch_batches(203, 8, seed=1, epoch=0, rank=0, world=world)
+    grouped = [epoch_batches(203, 8, seed=1, epoch=0, rank=r, world=world, lengths=lengths, length_grouping=4)
+               for r in range(world)]
+    assert len(grouped[0]) == len(plain)                     # the schedule's length does not change
+    seen = [i for rank in grouped for batch in rank for i in batch]
+    assert len(seen) == len(set(seen)) == 8 * (203 // 8 - (203 // 8) % world)
+    # what a window of 4 batches holds is the plain shuffle's: sorting happens inside windows only
+    whole = epoch_batches(203, 8, seed=1, epoch=0, lengths=lengths, length_grouping=4)
+    windows = [{i for b in epoch_batches(203, 8, seed=1, epoch=0)[w:w + 4] for i in b} for w in range(0, 25, 4)]
+    assert all(any(set(batch) <= window for window in windows) for batch in whole)
+
+    def spread(batches):   # mean (longest - shortest) within a batch
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread(whole) < 0.5 * spread(epoch_batches(203, 8, seed=1, epoch=0))
+    # deterministic in (seed, epoch); another epoch, another grouping
+    assert whole == epoch_batches(203, 8, seed=1, epoch=0, lengths=lengths, length_grouping=4)
+    assert whole != epoch_batches(203, 8, seed=1, epoch=1, lengths=lengths, length_grouping=4)
+    # long and short batches come in random order, not sorted
+    longest = [max(lengths[i] for i in b) for b in whole]
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
+    with pytest.raises(ValueError, match="length_grouping"):
+        epoch_batches(203, 8, seed=1, epoch=0, length_grouping=4)
+
+
+def test_padded_width_is_a_multiple_up_to_max_length():
+    from eqc_utils.drafter.data import padded_width
+    assert padded_width(300, None, 1024) == 1024
+    assert [padded_width(n, 256, 1024) for n in (1, 256, 257, 700, 1000, 1024)] == [256, 256, 512, 768, 1024, 1024]
+    assert padded_width(900, 256, 800) == 800
+
+
 @pytest.mark.slow
 def test_drafter_learns_its_corpus(chain_target_dir, tokenizer, trained):
     result, P, rows = trained
@@ -218,3 +253,36 @@ def test_compiled_drafter_trains_as_the_eager_one(chain_target_dir, tokenizer, c
     assert len(histories["on"]) == len(histories["off"]) == 4
     for eager, compiled in zip(histories["off"], histories["on"]):
         assert abs(eager - compiled) <= 1e-3 * abs(eager), histories
+
+
+def test_compiled_drafter_with_length_groups_and_several_widths_trains_as_the_eager_one(
+        chain_target_dir, tokenizer, corpus, tmp_path, monkeypatch):
+    """length_grouping + pad_multiple: a compiled drafter gets batches padded to a few widths (one graph each) and
+    takes the same steps as the eager drafter with the same batches, up to float rounding."""
+    import eqc_utils.drafter.train as train_module
+    path, _ = corpus
+    widths = []
+    real_collate = train_module.collate
+
+    def recording_collate(examples, device, pad_to=None):
+        widths.append(pad_to)
+        return real_collate(examples, device, pad_to=pad_to)
+    monkeypatch.setattr(train_module, "collate", recording_collate)
+    histories = {}
+    for compile_setting in ("off", "on"):
+        P = tiny_params(compile=compile_setting, max_steps=6, log_every=1, save_every=6, max_length=128,
+                        length_grouping=2, pad_multiple=32)
+        result = train_run(compile_setting, chain_target_dir, path, tmp_path / compile_setting, P, tokenizer,
+                           device="cpu")
+        histories[compile_setting] = [row["loss"] for row in result.history]
+    compiled_widths = {w for w in widths if w is not None}
+    assert len(compiled_widths) >= 2 and all(w % 32 == 0 and w <= 128 for w in compiled_widths), widths
+    for eager, compiled in zip(histories["off"], histories["on"], strict=True):
+        assert abs(eager - compiled) <= 1e-3 * abs(eager), histories
+
+
+def test_bad_grouping_params_name_the_parameter(chain_target_dir, tokenizer, corpus, tmp_path):
+    path, _ = corpus
+    for bad in ({"length_grouping": -1}, {"pad_multiple": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            train_run("bad", chain_target_dir, path, tmp_path / "bad", tiny_params(**bad), tokenizer, device="cpu")

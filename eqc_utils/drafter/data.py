@@ -57,15 +57,40 @@ def collate(examples: list[Example], device, pad_to: int | None = None) -> dict[
 
 
 def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
-                  world: int = 1) -> list[list[int]]:
+                  world: int = 1, lengths: list[int] | None = None, length_grouping: int = 0) -> list[list[int]]:
     """This rank's batches (example indices) of one epoch: shuffled with (seed, epoch), last partial
     batch dropped, dealt round-robin across ranks. Deterministic, so a resumed run skips exactly
-    the batches it already trained on."""
+    the batches it already trained on.
+
+    `length_grouping` > 0 (needs `lengths`): the shuffled order is cut into windows of that many
+    batches, each window is sorted by length before it is cut into batches, and the batches are
+    shuffled again. A batch then holds examples of similar length, so padding it to its longest
+    example wastes little, while which examples meet in a window stays random (transformers'
+    `group_by_length` idea). Same batches per epoch, every example at most once."""
     order = list(range(num_examples))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    batches = [order[i:i + batch_size] for i in range(0, num_examples - batch_size + 1, batch_size)]
+    rng = random.Random(seed * 1_000_003 + epoch)
+    rng.shuffle(order)
+    usable = num_examples - num_examples % batch_size
+    if length_grouping > 0:
+        if lengths is None or len(lengths) != num_examples:
+            raise ValueError("epoch_batches: length_grouping needs the length of every example")
+        window = length_grouping * batch_size
+        order = [i for start in range(0, usable, window)
+                 for i in sorted(order[start:min(start + window, usable)], key=lambda i: (-lengths[i], i))]
+    batches = [order[i:i + batch_size] for i in range(0, usable, batch_size)]
+    if length_grouping > 0:
+        rng.shuffle(batches)
     batches = batches[:len(batches) - len(batches) % world]   # every rank takes the same number of steps
     return batches[rank::world]
+
+
+def padded_width(longest: int, pad_multiple: int | None, max_length: int) -> int:
+    """Width a compiled drafter's batch is padded to: the next multiple of `pad_multiple` at or above its
+    longest example, at most `max_length` (None: always `max_length`, a single shape). Each width is one
+    compiled graph, so the multiple bounds how many graphs there are: ceil(max_length / pad_multiple)."""
+    if pad_multiple is None:
+        return max_length
+    return min(max_length, -(-longest // pad_multiple) * pad_multiple)
 
 
 def split_heldout(rows: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:

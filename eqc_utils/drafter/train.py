@@ -37,7 +37,7 @@ from eqc_utils import io
 from eqc_utils.devices import resolve_device, wants_compile
 from eqc_utils.params import params_digest
 from eqc_utils.training import CheckpointDir, JsonlLog, ResumePlan, apply_schedule, plan_resume, warmup_cosine
-from eqc_utils.drafter.data import build_examples, collate, epoch_batches
+from eqc_utils.drafter.data import build_examples, collate, epoch_batches, padded_width
 from eqc_utils.drafter.features import context_features, freeze, input_embedding, output_head
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
@@ -58,7 +58,7 @@ LEGACY_HISTORY = "history.json"
 NEUTRAL_KEYS = frozenset({"save_every", "log_every", "keep_last_ckpts", "resume", "run_direct",
                           "eval_max_new_tokens", "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args",
                           "near_tie_margin", "precision", "attention", "fused_loss", "compile",
-                          "curve_conversations", "comparison_seeds"})
+                          "curve_conversations", "comparison_seeds", "pad_multiple"})
 HORIZON_KEYS = ("epochs", "max_steps")
 
 
@@ -163,8 +163,8 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
     bar = tqdm(total=s.total_steps, initial=s.counters["step"], desc=f"drafter {run.name}", disable=not s.main)
     window, started = {"loss": 0.0, "accuracy": 0.0, "n": 0}, time.time()
     while s.counters["step"] < s.total_steps:
-        batches = epoch_batches(len(s.examples), s.P["batch_size"], seed, s.counters["epoch"],
-                                s.accelerator.process_index, s.accelerator.num_processes)
+        batches = _epoch_batches(s.examples, s.P, seed, s.counters["epoch"], s.accelerator.process_index,
+                                 s.accelerator.num_processes)
         for index in range(s.counters["batch"], s.steps_per_epoch * s.P["grad_accum"]):
             loss, accuracy = _micro_step(s, batches[index], index)
             window = {"loss": window["loss"] + loss, "accuracy": window["accuracy"] + accuracy, "n": window["n"] + 1}
@@ -197,6 +197,9 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
     """Target, drafter, examples, optimiser and schedule, prepared by accelerate (nothing restored yet)."""
     from accelerate import Accelerator
 
+    if P["length_grouping"] < 0 or (P["pad_multiple"] is not None and P["pad_multiple"] < 1):
+        raise ValueError(f"drafter.length_grouping={P['length_grouping']} must be >= 0 and drafter.pad_multiple="
+                         f"{P['pad_multiple']} null or >= 1")
     accelerator = Accelerator(cpu=device == "cpu", gradient_accumulation_steps=P["grad_accum"],
                               mixed_precision="bf16" if P["precision"] == "bf16" else "no")
     torch.manual_seed(seed)
@@ -213,9 +216,12 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
         optimizer, warmup_cosine(total_steps, max(1, int(P["warmup_ratio"] * total_steps))))
     compiled = wants_compile(P["compile"], str(accelerator.device))
     if compiled:
-        # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module. One fixed
-        # shape (batches padded to max_length, num_anchors blocks each): a single graph, compiled once per process;
-        # with dynamic shapes inductor failed on this model (docs/gpu.md)
+        # in place (nn.Module.compile): state_dict keys and checkpoints stay those of the plain module. Fixed
+        # shapes (num_anchors blocks per sequence; batches padded to max_length, or to a multiple of pad_multiple):
+        # one graph per width, compiled once per process; with dynamic shapes inductor failed on this model
+        # (docs/gpu.md)
+        widths = -(-P["max_length"] // P["pad_multiple"]) if P["pad_multiple"] else 1
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, widths + 2)
         drafter.compile(dynamic=False)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)   # stepped per optimiser step, whatever the process count
@@ -265,7 +271,7 @@ def is_compile_error(error: BaseException) -> bool:
 
 def _schedule_length(name: str, P: dict, num_examples: int, seed: int, rank: int, world: int) -> tuple[int, int]:
     """(optimiser steps per epoch, total steps: the schedule's horizon)."""
-    batches_per_epoch = len(epoch_batches(num_examples, P["batch_size"], seed, 0, rank, world))
+    batches_per_epoch = len(epoch_batches(num_examples, P["batch_size"], seed, 0, rank, world))   # grouping keeps the count
     if batches_per_epoch < P["grad_accum"]:
         raise ValueError(f"[{name}] {num_examples} usable conversations give {batches_per_epoch} batches per "
                          f"epoch per device, fewer than drafter.grad_accum={P['grad_accum']}: add data or lower "
@@ -325,11 +331,19 @@ def _restore(s: _Session, plan: ResumePlan) -> None:
               "(drafter.resume=false gives a run with one schedule)")
 
 
+def _epoch_batches(examples: list, P: dict, seed: int, epoch: int, rank: int, world: int) -> list[list[int]]:
+    return epoch_batches(len(examples), P["batch_size"], seed, epoch, rank, world,
+                         lengths=[len(e.input_ids) for e in examples], length_grouping=P["length_grouping"])
+
+
 def _micro_step(s: _Session, rows: list[int], index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one micro-batch; the optimiser steps once the accumulation is complete.
     Returns (loss, accuracy) as device scalars (accuracy 0.0 where the batch scored nothing)."""
-    pad_to = s.P["max_length"] if s.compiled else None      # a compiled drafter takes one shape
-    batch = collate([s.examples[i] for i in rows], s.accelerator.device, pad_to=pad_to)
+    examples = [s.examples[i] for i in rows]
+    # a compiled drafter takes a few fixed widths (one graph each); eager takes the batch as it is
+    pad_to = (padded_width(max(len(e.input_ids) for e in examples), s.P["pad_multiple"], s.P["max_length"])
+              if s.compiled else None)
+    batch = collate(examples, s.accelerator.device, pad_to=pad_to)
     # anchors depend only on (seed, rank, epoch, batch): a resumed or re-launched run draws the same ones
     s.generator.manual_seed(s.seed + 1_000_003 * s.accelerator.process_index + 7_919 * s.counters["epoch"] + index)
     with s.accelerator.accumulate(s.drafter), s.accelerator.autocast():
