@@ -279,6 +279,11 @@ def main() -> int:
         results["flash_linear_attention"] = getattr(fla, "__version__", "present")
     except ImportError:
         results["flash_linear_attention"] = "absent (pure-PyTorch Gated DeltaNet fallback)"
+    try:   # fla builds its Gated-DeltaNet backward through tilelang on Hopper when Triton < 3.7.1
+        import tilelang
+        results["tilelang"] = getattr(tilelang, "__version__", "present")
+    except ImportError:
+        results["tilelang"] = "absent"
     print(json.dumps(results), flush=True)
     ceiling = ceilings()
     results["ceiling"] = ceiling
