@@ -15,8 +15,13 @@ Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 
   plain+compile   the drafter compiled in place for one shape (drafter.compile): batches padded to --seq tokens,
                   --anchors blocks each, as drafter.train does when compiling
   fused+compile   both, the loss chunks compiled too
-Batches alternate between two lengths (--seq and --seq minus 128) as real batches do; the compiled configurations
-get both padded to --seq. The first step of each configuration's losses is compared with `plain`'s. `--configs NAME@BxA` gives a configuration
+  ...+bucket      a compiled configuration whose batches are padded to the next multiple of --pad-multiple
+                  (drafter.pad_multiple: one graph per width) instead of --seq
+Batches alternate between two lengths (--seq and --seq minus 128, or --lengths) as real batches do; the compiled
+configurations get both padded to --seq (or, +bucket, to their own multiple of --pad-multiple). Length-grouped
+batches of real conversations, e.g. small's ~300-token answers, side by side with one padded shape:
+    python benchmarks/bench_train_step.py --only drafter --batch 48 --anchors 128 --lengths 384,512 \
+        --configs fused+compile,fused+compile+bucket The first step of each configuration's losses is compared with `plain`'s. `--configs NAME@BxA` gives a configuration
 its own shape (B sequences x A anchors) so that shapes can be compared side by side per sequence, e.g.
     python benchmarks/bench_train_step.py --only drafter --configs plain@16x256,fused+compile@32x256,fused+compile@48x128
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
@@ -47,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eqc_utils.devices import resolve_device  # noqa: E402
+from eqc_utils.drafter.data import padded_width  # noqa: E402
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for  # noqa: E402
 from eqc_utils.drafter.train import drafter_step  # noqa: E402
 
@@ -84,7 +90,7 @@ def batches(args, device: str, batch: int | None = None) -> list[dict]:
     tokens (scored) to the end."""
     out = []
     gen = torch.Generator().manual_seed(1)
-    for length in (args.seq, args.seq - 128):
+    for length in ([int(v) for v in args.lengths.split(",")] if args.lengths else (args.seq, args.seq - 128)):
         ids = torch.randint(100, SMOLLM2["vocab_size"], (batch or args.batch, length), generator=gen)
         loss_mask = torch.ones_like(ids)
         loss_mask[:, :64] = 0
@@ -165,8 +171,9 @@ def bench_drafter(args, device: str) -> list[dict]:
                              mask_token_id=16)
     torch.manual_seed(0)
     init = DFlashDrafter(cfg).to(device)
-    kinds = {"plain": (False, False), "fused": (True, False), "plain+compile": (False, True),
-             "fused+compile": (True, True)}
+    kinds = {"plain": (False, False, False), "fused": (True, False, False), "plain+compile": (False, True, False),
+             "fused+compile": (True, True, False), "plain+compile+bucket": (False, True, True),
+             "fused+compile+bucket": (True, True, True)}
     specs = args.configs.split(",") if args.configs else list(kinds)
     configs = []
     for spec in specs:       # NAME or NAME@BxA: B sequences x A anchors instead of --batch x --anchors
@@ -178,17 +185,18 @@ def bench_drafter(args, device: str) -> list[dict]:
             configs.append((spec, *kinds[name], batch, anchors))
     data_of = {}
     rows, first_losses = [], {}
-    for name, fused, compiled, batch, anchors in configs:
+    for name, fused, compiled, bucket, batch, anchors in configs:
         data = data_of.setdefault(batch, batches(args, device, batch))
         P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
              "max_length": args.seq}
         drafter = copy.deepcopy(init)
-        if compiled:   # as drafter.train does: one shape, batches padded to max_length (--seq)
+        if compiled:   # as drafter.train does: batches padded to max_length (--seq) or, +bucket, a multiple
             drafter.compile(dynamic=False)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         reset_peak(device)
         try:
-            steps_data = [pad_to(b, args.seq) for b in data] if compiled else data
+            steps_data = [pad_to(b, padded_width(b["input_ids"].shape[1], args.pad_multiple if bucket else None,
+                                                 args.seq)) for b in data] if compiled else data
 
             def step_loss(i, drafter=drafter, compiled=compiled, steps_data=steps_data):   # lengths alternate
                 return drafter_step(drafter, target, steps_data[i % 2], P, torch.Generator().manual_seed(i),
@@ -205,9 +213,12 @@ def bench_drafter(args, device: str) -> list[dict]:
         first_losses[name] = losses[0]
         flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)), anchors)
         rows.append({"part": "drafter", "config": name, "sequences": batch, "anchors": anchors,
+                     "lengths": [b["input_ids"].shape[1] for b in data],
+                     "padded_widths": [b["input_ids"].shape[1] for b in steps_data],
                      "step_s": round(step, 4), "sequence_ms": round(1000 * step / batch, 3),
                      "first_step_s": round(first_step_s, 2),
-                     "context_tokens_per_s": round(batch * (args.seq - 64) / step),
+                     "context_tokens_per_s": round(batch * statistics.mean(b["input_ids"].shape[1] - 64
+                                                                            for b in data) / step),
                      "block_positions_per_s": round(batch * anchors * args.block / step),
                      "peak_gib": peak_gib(device), "mfu": flops / step / (args.peak_tflops * 1e12),
                      "first_loss": losses[0], "loss_rel_diff_vs_plain":
@@ -284,6 +295,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--only", choices=["drafter", "qad"])
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--lengths", help="drafter: the two batches' lengths, e.g. 384,512 (default: --seq, --seq minus 128)")
+    ap.add_argument("--pad-multiple", type=int, default=256, help="drafter, +bucket configurations: pad width multiple")
     ap.add_argument("--batch", type=int, default=8, help="drafter sequences per micro-batch (small: 8)")
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--block", type=int, default=16)
