@@ -184,7 +184,6 @@ SCHEMA: dict = {
         "epochs": int,
         "max_steps": Opt(int),             # optimiser-step cap per run; null = epochs decide
         "batch_size": int,                 # sequences per micro-batch per device
-        "scale_features": bool,            # train fc on target features divided by their RMS (folded back on save)
         "length_grouping": int,            # batches drawn from windows of this many batches sorted by length (0: off)
         "pad_multiple": Opt(int),          # compiled drafter: pad a batch to the next multiple of this (null: max_length)
         "grad_accum": int,

@@ -5,7 +5,7 @@ import torch
 from eqc_utils.drafter.features import context_features, input_embedding
 from eqc_utils.drafter.mask import dense_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, DraftCache, default_target_layer_ids, drafter_config_for,
-                                     load_drafter, pick_mask_token_id, save_drafter, scale_features)
+                                     load_drafter, pick_mask_token_id, save_drafter)
 from tests._fixtures_drafter import load_causal_lm
 
 
@@ -39,33 +39,6 @@ def test_checkpoint_has_the_dflash_layout_and_round_trips(micro_llama_dir, tmp_p
     loaded = load_drafter(tmp_path / "d")
     for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=name)
-
-
-def test_scaled_features_keep_the_function_and_save_as_plain_dflash(micro_llama_dir, tmp_path):
-    """scale_features changes what fc's weight means, not what the drafter computes; the saved drafter has the
-    scale folded into fc (no extra tensor) and computes the same as the scaled one."""
-    torch.manual_seed(0)
-    target = load_causal_lm(micro_llama_dir)
-    cfg = drafter_config_for(target.config, num_layers=1, block_size=4, target_layer_ids=[0, 1], mask_token_id=16)
-    drafter = DFlashDrafter(cfg).eval()
-    features = torch.randn(1, 12, 2 * cfg.hidden_size) * torch.logspace(-1, 2, 2 * cfg.hidden_size)
-    embeds, positions = torch.randn(1, 4, cfg.hidden_size), torch.arange(16)[None]
-    with torch.no_grad():
-        plain = drafter(embeds, features, positions)
-        scale = features.flatten(0, 1).pow(2).mean(0).sqrt()
-        scale_features(drafter, scale)
-        assert not torch.allclose(drafter.fc.weight, DFlashDrafter(cfg).fc.weight)
-        torch.testing.assert_close(drafter(embeds, features, positions), plain, rtol=1e-4, atol=1e-4)
-        scale_features(drafter, scale * 3)                        # again: from the plain weights, not compounded
-        torch.testing.assert_close(drafter(embeds, features, positions), plain, rtol=1e-4, atol=1e-4)
-    save_drafter(drafter, tmp_path / "d")
-    from safetensors import safe_open
-    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
-        assert "feature_scale" not in set(f.keys())
-    loaded = load_drafter(tmp_path / "d").eval()
-    assert torch.equal(loaded.feature_scale, torch.ones_like(loaded.feature_scale))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(embeds, features, positions), plain, rtol=3e-2, atol=3e-2)
 
 
 def test_training_pass_equals_incremental_inference(micro_llama_dir):

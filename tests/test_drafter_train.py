@@ -286,26 +286,3 @@ def test_bad_grouping_params_name_the_parameter(chain_target_dir, tokenizer, cor
     for bad in ({"length_grouping": -1}, {"pad_multiple": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train_run("bad", chain_target_dir, path, tmp_path / "bad", tiny_params(**bad), tokenizer, device="cpu")
-
-
-def test_scaled_feature_training_resumes_to_the_same_result(chain_target_dir, tokenizer, corpus, tmp_path):
-    """drafter.scale_features: the scale lives in the training state, so a resumed run takes the same steps; the
-    saved drafter is plain DFlash and differs from an unscaled run's (Adam steps in another geometry)."""
-    import shutil
-    path, _ = corpus
-    out = tmp_path / "scaled"
-    P = tiny_params(max_steps=4, save_every=2, log_every=1, scale_features=True)
-    straight = train_run("scaled", chain_target_dir, path, out, P, tokenizer, device="cpu")
-    want = load_drafter(straight.final).state_dict()
-    assert "feature_scale" in want and torch.equal(want["feature_scale"], torch.ones_like(want["feature_scale"]))
-    shutil.rmtree(out / "checkpoints" / "step-4")
-    shutil.rmtree(out / "drafter")
-    logs = []
-    resumed = train_run("scaled", chain_target_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
-    assert any("resuming from step-2" in line for line in logs)
-    got = load_drafter(resumed.final).state_dict()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=name)
-    plain = train_run("plain", chain_target_dir, path, tmp_path / "plain", {**P, "scale_features": False}, tokenizer,
-                      device="cpu")
-    assert not torch.allclose(load_drafter(plain.final).state_dict()["fc.weight"], want["fc.weight"])

@@ -297,9 +297,6 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
-        # training only (scale_features): context features are divided by this before `fc`, whose weight then
-        # lives in the scaled space; saved drafters have it folded into fc.weight and carry no such tensor
-        self.register_buffer("feature_scale", torch.ones(self.fc.in_features))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -327,8 +324,7 @@ class DFlashDrafter(nn.Module):
         mask: None at inference (the block sees all context and itself), else [B, 1, Q, K] or a BlockMask;
         cache: context keys/values of earlier steps (inference); the new context is appended to it.
         """
-        context = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype) / self.feature_scale.to(
-            self.fc.weight.dtype)))
+        context = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
         hidden = block_embeds.to(context.dtype)
         rope = self.rope(positions, hidden.dtype)
         window = self.config.sliding_window
@@ -346,28 +342,6 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)
 
 
-@torch.no_grad()
-def scale_features(drafter: DFlashDrafter, scale: torch.Tensor) -> None:
-    """Train `fc` on context features divided by `scale` (one value per feature), with the same function: its
-    weight becomes W * scale (per input column). Target hidden states have a few dimensions tens of times larger
-    than the rest, and deep layers larger than shallow ones; on the raw features Adam's equal-sized steps must
-    first grow the small columns for hundreds of steps before the drafter can use them. Repeatable: a drafter
-    already scaled is first brought back to plain features."""
-    scale = scale.to(device=drafter.fc.weight.device, dtype=torch.float32)
-    plain = drafter.fc.weight.float() / drafter.feature_scale.float()
-    drafter.fc.weight.copy_(plain * scale)
-    drafter.feature_scale.copy_(scale)
-
-
-def deployable_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
-    """The state dict in the DFlash layout that vLLM and load_drafter read: feature scaling folded into fc."""
-    drafter = unwrap(drafter)
-    state = dict(drafter.state_dict())
-    scale = state.pop("feature_scale")
-    state["fc.weight"] = (drafter.fc.weight.float() / scale.float()).to(drafter.fc.weight.dtype)
-    return state
-
-
 def save_drafter(drafter: DFlashDrafter, path: str | Path, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write config.json + model.safetensors (bf16, the deployable form) atomically into `path`."""
     from safetensors.torch import save_file
@@ -375,7 +349,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, extra_files: dict[str
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
-        state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in deployable_state_dict(drafter).items()}
+        state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in unwrap(drafter).state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
@@ -397,7 +371,7 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
         state = dequantized_state_dict(path)
     else:
         state = load_file(str(path / WEIGHTS_FILE))
-    drafter.load_state_dict({**state, "feature_scale": drafter.feature_scale})
+    drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype)
 
 

@@ -41,7 +41,7 @@ from eqc_utils.drafter.data import build_examples, collate, epoch_batches, padde
 from eqc_utils.drafter.features import context_features, freeze, input_embedding, output_head
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
-                                     save_drafter, scale_features, unwrap)
+                                     save_drafter, unwrap)
 from eqc_utils.drafter.objective import block_targets, fused_head_loss, sample_anchors, weighted_loss
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -60,7 +60,6 @@ NEUTRAL_KEYS = frozenset({"save_every", "log_every", "keep_last_ckpts", "resume"
                           "near_tie_margin", "precision", "attention", "fused_loss", "compile",
                           "curve_conversations", "comparison_seeds", "pad_multiple"})
 HORIZON_KEYS = ("epochs", "max_steps")
-FEATURE_SCALE_EXAMPLES = 64     # drafter.scale_features: conversations (file order) whose target features set the scale
 
 
 @dataclass
@@ -89,24 +88,6 @@ def new_drafter(P: dict, target, tokenizer, init_from: Path | None) -> DFlashDra
                              target_layer_ids=P["target_layer_ids"], mask_token_id=mask_id,
                              intermediate_size=P["intermediate_size"])
     return DFlashDrafter(cfg)
-
-
-@torch.no_grad()
-def feature_rms(target, examples: list, layer_ids: list[int], device, batch_size: int = 8) -> torch.Tensor:
-    """Root mean square of each context feature over the examples' tokens (the first token of each left out: the
-    attention sink's hidden state is hundreds of times larger than the others'), floored at 1e-3 of the mean so
-    that a dead feature is not blown up."""
-    total, count = None, 0
-    for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start:start + batch_size], device)
-        features = context_features(target, batch["input_ids"], batch["attention_mask"], layer_ids).float()
-        keep = batch["attention_mask"].bool().clone()
-        keep[:, 0] = False
-        squares = features[keep].pow(2).sum(0)
-        total = squares if total is None else total + squares
-        count += int(keep.sum())
-    rms = (total / max(count, 1)).sqrt()
-    return rms.clamp_min(1e-3 * float(rms.mean()))
 
 
 def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generator, *,
@@ -226,10 +207,6 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
     drafter = new_drafter(P, target, tokenizer, run.init_from)
     used_rows = run.rows[:P["max_conversations"]] if P["max_conversations"] else run.rows
     examples = build_examples(used_rows, tokenizer, P["max_length"], 2 * drafter.block_size, where=run.name)
-    if P["scale_features"]:
-        scale_features(drafter.to(accelerator.device),
-                       feature_rms(target, examples[:FEATURE_SCALE_EXAMPLES], drafter.config.target_layer_ids,
-                                   accelerator.device))
     rank, world = accelerator.process_index, accelerator.num_processes
     steps_per_epoch, total_steps = _schedule_length(run.name, P, len(examples), seed, rank, world)
     settings = trajectory_settings(run, P, used_rows, seed, len(examples), world)
