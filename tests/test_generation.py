@@ -191,7 +191,8 @@ def test_generates_rows_with_the_documented_schema(server, tmp_path):
         assert row["conversations"][-1]["content"] == row["response"] != ""
         assert row["finish_reason"] in ("stop", "length") and 0 < row["completion_tokens"] <= 12
         assert row["prompt_tokens"] > 5 and row["gen_model"] == "micro"
-        assert row["sampling"] == {"max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+        # tiny's sampling, its per-request seed included (generation.seed)
+        assert row["sampling"] == {"max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": 0}
     assert stats.completion_tokens == sum(r["completion_tokens"] for r in rows) and stats.tokens_per_s > 0
     again = generate(prompts, out, server.base_urls, gen_params(max_tokens=12), gen_model="micro")
     assert again.already_done == 6 and again.new_rows == 0 and len(read_rows(out)) == 6
