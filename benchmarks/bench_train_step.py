@@ -9,7 +9,7 @@
         --warmup 1 --repeats 1 --no-compile
 
 Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 5 layers, block 16, 256 anchors,
-16 x 1,024 tokens per micro-batch; --batch 16), in four configurations:
+16 x 1,024 tokens per micro-batch; --batch 16), in these configurations:
   plain           autograd cross-entropy through the frozen head, chunk by chunk (drafter.fused_loss false)
   fused           the head's gradient computed in the forward pass (objective.fused_head_loss): no stored logits
   plain+compile   the drafter compiled in place for one shape (drafter.compile): batches padded to --seq tokens,
@@ -21,7 +21,8 @@ Batches alternate between two lengths (--seq and --seq minus 128, or --lengths) 
 configurations get both padded to --seq (or, +bucket, to their own multiple of --pad-multiple). Length-grouped
 batches of real conversations, e.g. small's ~300-token answers, side by side with one padded shape:
     python benchmarks/bench_train_step.py --only drafter --batch 48 --anchors 128 --lengths 384,512 \
-        --configs fused+compile,fused+compile+bucket The first step of each configuration's losses is compared with `plain`'s. `--configs NAME@BxA` gives a configuration
+        --configs fused+compile,fused+compile+bucket
+The first step of each configuration's losses is compared with `plain`'s. `--configs NAME@BxA` gives a configuration
 its own shape (B sequences x A anchors) so that shapes can be compared side by side per sequence, e.g.
     python benchmarks/bench_train_step.py --only drafter --configs plain@16x256,fused+compile@32x256,fused+compile@48x128
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
