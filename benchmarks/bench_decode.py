@@ -26,7 +26,7 @@ Rows (milliseconds are medians over --repeats, each call bracketed by CUDA synch
   loop step      the speculative loop's measured cost per step with the same drafter, host work included:
                  acceptance kept on the device (read every few steps) vs read after every step; and the tau
                  each needs for 1.0x, 1.5x and 2.0x fast plain
-  speculative    with --drafter: measured tau, ms/token and speed-up on a few prompts (fast decoder,
+  speculative    with --drafter: measured tau, ms/token and speed-up on a few prompts (drafter/speedup.py,
                  compiled), and whether its ids equal fast greedy decoding's (bf16 may flip near-ties)
 --compile auto compiles on CUDA only (inductor's C++ builds take minutes on a small CPU).
 Writes benchmarks/results/decode_<device>.json (machine, versions, date, arguments, results).
@@ -51,6 +51,7 @@ from eqc_utils.drafter.decode import DFlashProposer, TargetSession, greedy_gener
 from eqc_utils.drafter.fast_decode import (FastSpeculativeDecoder, StaticDFlashProposer, StaticTarget,  # noqa: E402
                                            cache_len_for, fast_greedy_generate)
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, load_drafter  # noqa: E402
+from eqc_utils.drafter.speedup import measure_speedup  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # SmolLM2-135M-Instruct's architecture (the teacher of the tiny and small profiles)
@@ -196,29 +197,11 @@ def chat_prompts(args, target) -> tuple[list[list[int]], set[int]]:
         return [], set()
 
 
-def speculative_run(target, drafter, fast: StaticTarget, args, device: str, compile: bool, prompt) -> dict:
+def speculative_run(target, drafter, args, compile: bool, prompt) -> dict:
+    """measure_speedup on the chat prompts (or the last 64 tokens of the random context)."""
     prompts, stops = chat_prompts(args, target) if args.target else ([], set())
-    prompts = prompts or [prompt[-64:]]
-    need = max(cache_len_for(len(p), args.spec_tokens, args.block) for p in prompts)
-    session = fast if fast.max_cache_len >= need else StaticTarget(target, need, fast.layer_ids, args.block, compile)
-    decoder = FastSpeculativeDecoder(session, DFlashProposer(drafter, target), compile=compile)
-    rows = []
-    for ids in prompts:
-        for _ in range(2):          # the first run pays compilation / graph capture
-            sync(device)
-            plain = fast_greedy_generate(session, ids, args.spec_tokens, stops)
-            sync(device)
-            spec = decoder.generate(ids, args.spec_tokens, stops)
-            sync(device)
-        rows.append({"prompt_tokens": len(ids), "tokens": len(spec.output_ids), "tau": spec.tau,
-                     "plain_ms_per_token": plain.seconds * 1e3 / len(plain.output_ids),
-                     "spec_ms_per_token": spec.seconds * 1e3 / len(spec.output_ids),
-                     "same_ids": spec.output_ids == plain.output_ids})
-    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    return {"prompts": rows, "tau": med("tau"), "plain_ms_per_token": med("plain_ms_per_token"),
-            "spec_ms_per_token": med("spec_ms_per_token"),
-            "speedup": med("plain_ms_per_token") / med("spec_ms_per_token"),
-            "same_ids": f"{sum(r['same_ids'] for r in rows)}/{len(rows)}"}
+    return measure_speedup(target, drafter, prompts or [prompt[-64:]], args.spec_tokens, stops, compile=compile,
+                           near_tie_margin=args.near_tie_margin)
 
 
 # ---------------------------------------------------------------- report
@@ -252,7 +235,7 @@ def table(r: dict, args, compile: bool) -> list[tuple[str, str, str]]:
         s = r["speculative"]
         rows += [("speculative with the drafter: tau", f"{s['tau']:8.2f}", ""),
                  ("speculative with the drafter", f"{s['spec_ms_per_token']:8.3f} ms/tok",
-                  f"{s['speedup']:5.2f} x fast plain ({s['plain_ms_per_token']:.3f}), same ids {s['same_ids']}")]
+                  f"{s['speedup']:5.2f} x fast plain ({s['plain_ms_per_token']:.3f}), same output {s['lossless']['tally']}")]
     return rows
 
 
@@ -278,6 +261,8 @@ def main() -> None:
     ap.add_argument("--gen-repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="chat prompts for the --drafter run")
     ap.add_argument("--spec-tokens", type=int, default=256, help="tokens per prompt in the --drafter run")
+    ap.add_argument("--near-tie-margin", type=float, default=0.5,
+                    help="nats: a speculative output that parts from plain decoding passes only at a near-tie")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode_<device>.json)")
     args = ap.parse_args()
@@ -311,7 +296,7 @@ def main() -> None:
     r["tau_needed_in_loop"] = {loop: {speedup: speedup * ms / r["fast_greedy_ms"] for speedup in (1.0, 1.5, 2.0)}
                                for loop, ms in r["loop_step_ms"].items()}
     if args.drafter:
-        r["speculative"] = speculative_run(target, drafter, fast, args, device, compile, prompt)
+        r["speculative"] = speculative_run(target, drafter, args, compile, prompt)
     r["bench_seconds"] = time.perf_counter() - started
 
     from importlib.metadata import version

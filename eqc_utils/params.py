@@ -204,6 +204,8 @@ SCHEMA: dict = {
         "eval_temperature": float,
         "eval_slots": int,                 # tau on a GPU: held-out prompts decoded this many at once (greedy,
                                            # attention-only targets; 1 = one at a time; drafter/batched_decode.py)
+        "speedup_prompts": int,            # 07: held-out prompts of the batch-1 wall-clock speed-up over plain greedy (0: off)
+        "speedup_tokens": int,             # new tokens per prompt of that measurement
         "vllm_check": bool,                # 07 serves target + drafter on vLLM and compares with the reference tau
         "vllm_prompts": int,
         "near_tie_margin": float,          # as pack.near_tie_margin, for speculative vs plain greedy outputs

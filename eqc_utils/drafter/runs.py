@@ -19,6 +19,7 @@ from eqc_utils.drafter.data import split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
 from eqc_utils.drafter.fast_decode import UnsupportedTargetError, measure_acceptance_fast
 from eqc_utils.drafter.model import load_drafter
+from eqc_utils.drafter.speedup import measure_speedup
 from eqc_utils.drafter.train import (TrainRun, checkpoint_meta, checkpoint_steps, load_target, read_history,
                                     train_drafter)
 from eqc_utils.generation.slots import UnsupportedModelError
@@ -126,6 +127,24 @@ def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, dev
         report = measure_drafter(drafter_dir, target, prompt_ids(tokenizer, result.heldout),
                                  stop_ids(tokenizer, target.config), P)
     return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position}
+
+
+def speedup_of(result: RunResult, P: dict, tokenizer, device: str = "auto") -> dict | None:
+    """Wall-clock speed-up of a run's final drafter over plain greedy decoding of its target, batch 1, on the
+    first `drafter.speedup_prompts` held-out prompts with `drafter.speedup_tokens` new tokens each
+    (speedup.measure_speedup; compiled on CUDA). None when speedup_prompts is 0; {"skipped": why} for targets
+    the static-cache decoder does not take (Qwen3.5's recurrent layers)."""
+    if P["speedup_prompts"] <= 0:
+        return None
+    device = resolve_device(device)
+    target = load_target(result.target_dir, device, P["precision"])
+    drafter = load_drafter(result.final, device=device, dtype=next(target.parameters()).dtype)
+    prompts = prompt_ids(tokenizer, result.heldout[:P["speedup_prompts"]])
+    try:
+        return measure_speedup(target, drafter, prompts, P["speedup_tokens"], stop_ids(tokenizer, target.config),
+                               compile=device.startswith("cuda"), near_tie_margin=P["near_tie_margin"])
+    except UnsupportedTargetError as error:
+        return {"skipped": str(error)}
 
 
 def learning_curve(full: RunResult, full_tau: list[dict], data_path: Path, out_root: Path, P: dict, tokenizer, *,

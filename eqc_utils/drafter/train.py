@@ -58,7 +58,8 @@ LEGACY_HISTORY = "history.json"
 NEUTRAL_KEYS = frozenset({"save_every", "log_every", "keep_last_ckpts", "resume", "run_direct",
                           "eval_max_new_tokens", "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args",
                           "near_tie_margin", "precision", "attention", "fused_loss", "compile",
-                          "curve_conversations", "comparison_seeds", "pad_multiple"})
+                          "curve_conversations", "comparison_seeds", "pad_multiple",
+                          "speedup_prompts", "speedup_tokens"})
 HORIZON_KEYS = ("epochs", "max_steps")
 
 
