@@ -83,6 +83,7 @@ def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher
     input changed, the artifacts that depend on it are moved aside (`<name>.stale-<time>`, see LAYERS) and the
     changed settings are logged, so a re-run never resumes from artifacts made with other inputs."""
     qad = params["qad"]
+    started = time.time()
     rows_digest = _rows_digest(teacher_rows)
     layers = input_layers(params, rows_digest, teacher_path)
     stage_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,8 @@ def prepare_qad(params: dict, stage_dir: Path, teacher_rows: list[dict], teacher
                 torch.save(packs[split], tmp / f"{split}.pt")
             write_json(tmp / "meta.json", packs["meta"])
     meta = read_json(data_dir / "meta.json")
-    return {"data": meta, "init_pack": str(init_pack_dir(params, stage_dir, teacher_path))}
+    init_pack = str(init_pack_dir(params, stage_dir, teacher_path))     # AWQ's clip search when not made yet
+    return {"data": meta, "init_pack": init_pack, "seconds": round(time.time() - started, 2)}
 
 
 def _digest(settings) -> str:
@@ -479,9 +481,11 @@ def _plan(s: _Session) -> ResumePlan:
 
 def _start_gate(s: _Session) -> None:
     """A fresh run: the pinned student must be the PTQ model (start_gate); the logs start empty."""
+    started = time.time()
     ptq_model = dense_ptq_model(s.teacher_path, s.pack_dir, s.params["quant"]).to(s.accelerator.device)
     gate = start_gate(s.lm, s.teacher, ptq_model, s.train, s.qad)
     del ptq_model
+    gate["seconds"] = round(time.time() - started, 2)
     if s.main:
         write_json(s.stage_dir / "gate.json", gate)
         s.train_log.reset()
@@ -538,6 +542,7 @@ def _restore(s: _Session, plan: ResumePlan) -> int:
 def _evaluate(s: _Session, step: int) -> None:
     """Held-out KL and top-1 agreement, each process on its share of the chunks, summed across processes."""
     s.student.eval()
+    started = time.time()
     rank, world, device = s.accelerator.process_index, s.accelerator.num_processes, s.accelerator.device
     mine = slice(rank, s.eval_n, world)
     # the unwrapped model: ranks may hold different numbers of held-out chunks, and every forward of the
@@ -550,7 +555,7 @@ def _evaluate(s: _Session, step: int) -> None:
     if s.main:
         tokens = max(float(sums[2]), 1.0)
         s.eval_log.append({"step": step, "kl": float(sums[0]) / tokens, "top1": float(sums[1]) / tokens,
-                           "tokens": tokens})
+                           "tokens": tokens, "seconds": round(time.time() - started, 2)})
     s.student.train()
 
 
@@ -628,13 +633,17 @@ def read_logs(stage_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def summarize(stage_dir: Path) -> dict:
-    """PTQ (step 0) vs QAD (last evaluation) on the held-out chunks."""
-    _, evals = read_logs(stage_dir)
+    """PTQ (step 0) vs QAD (last evaluation) on the held-out chunks, and where the time went: loop_seconds (the
+    training loop, evaluations and checkpoints included; of the last uninterrupted stretch when resumed) and
+    eval_seconds (the held-out evaluations; rows of older logs have no time)."""
+    train, evals = read_logs(stage_dir)
     if not evals:
         raise QADError(f"{stage_dir}: no evaluations in eval_log.jsonl")
     ptq, final = evals[0], evals[-1]
     return {"ptq_kl": ptq["kl"], "qad_kl": final["kl"], "ptq_top1": ptq["top1"], "qad_top1": final["top1"],
             "kl_reduction": 1.0 - final["kl"] / ptq["kl"] if ptq["kl"] > 0 else 0.0, "steps": final["step"],
+            "loop_seconds": train[-1].get("seconds") if train else None,
+            "eval_seconds": round(sum(e.get("seconds", 0.0) for e in evals), 2),
             "gate": read_json(stage_dir / "gate.json") if (stage_dir / "gate.json").exists() else None}
 
 
