@@ -53,7 +53,8 @@ def sync(device: str) -> None:
 
 
 def bench_train(target, tokenizer, args, device: str) -> list[tuple]:
-    P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto"}
+    P = {"num_anchors": args.anchors, "loss_decay_gamma": 7.0, "attention": "auto", "labels": "data",
+         "max_length": args.seq}
     cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block, target_layer_ids=None,
                              mask_token_id=16)
     drafter = DFlashDrafter(cfg).to(device)

@@ -170,7 +170,7 @@ def bench_drafter(seq_lens: list[int], peak_tflops: float, repeats: int, batch: 
     target = qwen35_4b().eval().requires_grad_(False)
     drafter = DFlashDrafter(paper_drafter_config(target)).to("cuda", torch.bfloat16).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-    P = {"num_anchors": 512, "loss_decay_gamma": 7.0, "attention": "flex"}
+    P = {"num_anchors": 512, "loss_decay_gamma": 7.0, "attention": "flex", "labels": "data"}
     n_draft = param_count(drafter)
     n_target = param_count(target)
     print(f"drafter: {n_draft / 1e6:.0f}M trainable parameters, target {n_target / 1e9:.2f}B (frozen)", flush=True)
@@ -181,6 +181,7 @@ def bench_drafter(seq_lens: list[int], peak_tflops: float, repeats: int, batch: 
         loss_mask = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
         loss_mask[:, seq // 8:] = 1  # responses after a short prompt
         data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+        P["max_length"] = seq          # anchors are drawn over this many keys (drafter.max_length)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):

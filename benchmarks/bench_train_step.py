@@ -188,7 +188,7 @@ def bench_drafter(args, device: str) -> list[dict]:
     rows, first_losses = [], {}
     for name, fused, compiled, bucket, batch, anchors in configs:
         data = data_of.setdefault(batch, batches(args, device, batch))
-        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
+        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused, "labels": "data",
              "max_length": args.seq}
         drafter = copy.deepcopy(init)
         if compiled:   # as drafter.train does: batches padded to max_length (--seq) or, +bucket, a multiple

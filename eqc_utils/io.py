@@ -27,6 +27,33 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
+class DiskSpaceError(OSError):
+    """Too little free disk space for a large write that is about to start."""
+
+
+def tree_bytes(path: str | Path) -> int:
+    """Bytes of the files under `path` (a file: its size; missing: 0)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def ensure_free_space(path: str | Path, need_bytes: int, what: str) -> None:
+    """Raise DiskSpaceError naming `what`, `path` and both sizes when the disk holding `path` has less than
+    `need_bytes` free. Checked before large writes: a disk that fills up half-way gives cryptic errors (torch.save:
+    "unexpected pos") and leaves the stage to be resumed from its previous checkpoint."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        gib = 2 ** 30
+        raise DiskSpaceError(f"{what} needs about {need_bytes / gib:.2f} GiB at {path}, but only {free / gib:.2f} GiB "
+                             "are free on that disk: free some space (old runs, *.stale-* folders), keep fewer "
+                             "checkpoints (keep_last_ckpts), or point EQC_RUNS_DIR at a larger disk")
+
+
 def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

@@ -177,6 +177,8 @@ SCHEMA: dict = {
         "intermediate_size": Opt(int),     # MLP width; null = the target's
         "num_anchors": int,                # blocks per sequence (paper 512)
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
+        "labels": OneOf("data", "target_greedy"),  # what a block slot learns: the answer's token (DFlash) or the
+                                           # target's greedy token after the answer's prefix (what greedy verification accepts)
         "max_length": int,                 # tokens per training conversation (paper 3072)
         "max_conversations": Opt(int),     # cap on training conversations; null = the whole file
         "curve_conversations": ListOf(int),  # 06: extra pre-training runs on the first N conversations (learning curve)

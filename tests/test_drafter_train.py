@@ -286,3 +286,66 @@ def test_bad_grouping_params_name_the_parameter(chain_target_dir, tokenizer, cor
     for bad in ({"length_grouping": -1}, {"pad_multiple": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train_run("bad", chain_target_dir, path, tmp_path / "bad", tiny_params(**bad), tokenizer, device="cpu")
+
+
+def test_target_greedy_labels_are_the_targets_argmax_after_each_prefix(micro_llama_dir, tokenizer, corpus):
+    """context_features_and_greedy: the features of context_features, and at every real position p the token a
+    cache-free forward over the first p tokens picks greedily (right padding of a shorter row included)."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.features import context_features, context_features_and_greedy
+    target = load_target(micro_llama_dir, "cpu", "fp32")
+    P = tiny_params()
+    examples = build_examples(corpus[1], tokenizer, P["max_length"], 16, where="test")
+    longest = max(examples, key=lambda e: len(e.input_ids))
+    shorter = next(e for e in examples if len(e.input_ids) < len(longest.input_ids))
+    batch = collate([shorter, longest], "cpu")
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    layers = [0, 1]
+    features, greedy = context_features_and_greedy(target, ids, attention, layers, chunk_positions=7)
+    torch.testing.assert_close(features, context_features(target, ids, attention, layers), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for row in range(2):
+            n = int(attention[row].sum())
+            logits = target(input_ids=ids[row:row + 1, :n]).logits[0]
+            assert greedy[row, 0] == ids[row, 0]
+            assert greedy[row, 1:n].tolist() == logits[:-1].argmax(-1).tolist()
+    scored = batch["loss_mask"].bool()
+    assert (greedy[scored] != ids[scored]).any(), "a random target should disagree with the data somewhere"
+
+
+def test_block_labels_come_from_label_ids_and_the_anchor_from_the_data():
+    from eqc_utils.drafter.objective import block_targets
+    ids = torch.arange(100, 120)[None]
+    label_ids = ids + 1000
+    anchors, valid = torch.tensor([[2, 9]]), torch.tensor([[True, True]])
+    plain = block_targets(ids, torch.ones_like(ids), torch.tensor([20]), anchors, valid, 4, 7, 7.0)
+    greedy = block_targets(ids, torch.ones_like(ids), torch.tensor([20]), anchors, valid, 4, 7, 7.0, label_ids)
+    assert greedy["labels"].tolist() == [[v + 1000 for v in plain["labels"][0].tolist()]]
+    assert greedy["block_ids"].tolist() == plain["block_ids"].tolist() == [[102, 7, 7, 7, 109, 7, 7, 7]]
+    torch.testing.assert_close(greedy["weights"], plain["weights"])
+
+
+def test_on_the_targets_own_greedy_answers_both_label_sources_give_one_step(chain_target_dir, tokenizer, corpus):
+    """drafter.labels target_greedy scores the target's greedy token at each slot. Where the answers are the
+    target's greedy continuation those are the data's tokens: same loss, same statistics. On re-tokenised text
+    answers they part."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.decode import greedy_generate
+    from eqc_utils.drafter.train import drafter_step, new_drafter
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    P = tiny_params()
+    batch = collate(build_examples(corpus[1][:1], tokenizer, P["max_length"], 16, where="test"), "cpu")
+    scored = batch["loss_mask"][0].nonzero().flatten()
+    start, end = int(scored[0]), int(scored[-1]) + 1
+    own = batch["input_ids"].clone()
+    own[0, start:end] = torch.tensor(greedy_generate(target, own[0, :start].tolist(), end - start).output_ids)
+    own_batch = {**batch, "input_ids": own}
+
+    def step(b, labels):
+        torch.manual_seed(0)
+        drafter = new_drafter(P, target, tokenizer, None)
+        loss, stats = drafter_step(drafter, target, b, {**P, "labels": labels}, torch.Generator().manual_seed(3))
+        return float(loss), stats
+
+    assert step(own_batch, "target_greedy") == step(own_batch, "data")
+    assert step(batch, "target_greedy") != step(batch, "data")

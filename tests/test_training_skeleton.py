@@ -95,6 +95,38 @@ def test_a_checkpoint_holds_state_export_and_meta_and_restores_the_run(tmp_path,
     assert ckpts.steps() == [2, 3] and not (ckpts.folder(3) / "state" / "half-written").exists()
 
 
+def test_a_checkpoint_that_would_not_fit_on_the_disk_is_refused_before_writing(tmp_path, trainer, monkeypatch):
+    """The free space must hold one more checkpoint: the newest whole one's size (or the estimate, for the first).
+    A refusal names the checkpoint, the folder and both sizes, and leaves the earlier checkpoints as they were."""
+    import shutil
+    from collections import namedtuple
+
+    from eqc_utils.io import DiskSpaceError, tree_bytes
+    from eqc_utils.training import estimated_bytes
+    ckpts = CheckpointDir(tmp_path / "ckpts", export="weights")
+    # nn.Linear(4, 2): 10 fp32 weights, each twice (state and export) plus AdamW's two moments
+    assert estimated_bytes(trainer.model) == 10 * (2 * 4 + 8)
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    free = {"bytes": None}
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: usage(1, 0, free["bytes"]) if free["bytes"] is not None else real(path))
+    free["bytes"] = 10 ** 6
+    with pytest.raises(DiskSpaceError, match=r"checkpoint step-1 needs about .* GiB at .*ckpts.*free"):
+        trainer.save(ckpts, 1, expected_bytes=2 * 10 ** 6)
+    assert ckpts.all_steps() == []
+    trainer.save(ckpts, 1, expected_bytes=10 ** 5)        # fits
+    size = tree_bytes(ckpts.folder(1))
+    assert size > 0
+    free["bytes"] = size                                # less than 1.1 x the newest checkpoint
+    with pytest.raises(DiskSpaceError, match="checkpoint step-2"):
+        trainer.save(ckpts, 2)
+    assert ckpts.steps() == ckpts.resumable() == [1] and ckpts.all_steps() == [1]
+    free["bytes"] = 2 * size
+    trainer.save(ckpts, 2)
+    assert ckpts.steps() == [1, 2]
+
+
 @pytest.mark.parametrize("keep_exports", [False, True])
 def test_prune_keeps_the_newest_whole(tmp_path, trainer, keep_exports):
     ckpts = CheckpointDir(tmp_path / "ckpts", export="weights")

@@ -78,6 +78,25 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.cat(out, dim=-1)
 
 
+@torch.no_grad()
+def context_features_and_greedy(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                                layer_ids: list[int], chunk_positions: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context_features, greedy): the same features from one full forward of the target, and greedy [B, S]: at
+    position p the target's argmax token after positions < p (greedy[:, 0] = input_ids[:, 0]), the token that
+    greedy verification accepts there. The LM head runs over `chunk_positions` positions at a time, so the
+    [B, S, vocab] logits never exist at once."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    with capture_layers(target, layer_ids) as out:
+        last = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    if not out:
+        raise RuntimeError("the target forward finished without passing the chosen layers; check target_layer_ids")
+    head = output_head(target)
+    flat = last[:, :-1].reshape(-1, last.shape[-1])
+    picks = torch.cat([head(flat[i:i + chunk_positions]).argmax(-1) for i in range(0, flat.shape[0], chunk_positions)])
+    greedy = torch.cat([input_ids[:, :1], picks.view(input_ids.shape[0], -1)], dim=1)
+    return torch.cat(out, dim=-1), greedy
+
+
 def freeze(target: nn.Module) -> nn.Module:
     target.eval()
     for p in target.parameters():

@@ -60,17 +60,21 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
-                  valid: torch.Tensor, block_size: int, mask_token_id: int, gamma: float) -> dict[str, torch.Tensor]:
-    """Block token ids, their positions, labels and loss weights, each [B, N*block_size]."""
+                  valid: torch.Tensor, block_size: int, mask_token_id: int, gamma: float,
+                  label_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Block token ids, their positions, labels and loss weights, each [B, N*block_size]. Labels come from
+    `label_ids` when given (e.g. the target's greedy tokens, [B, S] like input_ids); the anchor is always the
+    data token."""
     batch, n = anchors.shape
     offsets = torch.arange(block_size, device=anchors.device)
     positions = anchors[:, :, None] + offsets                          # [B, N, block]
     inside = positions < lengths[:, None, None]
     safe = positions.clamp(max=input_ids.shape[1] - 1)
-    labels = torch.gather(input_ids, 1, safe.flatten(1)).view(batch, n, block_size)
+    tokens = torch.gather(input_ids, 1, safe.flatten(1)).view(batch, n, block_size)
+    labels = tokens if label_ids is None else torch.gather(label_ids, 1, safe.flatten(1)).view(batch, n, block_size)
     scored = torch.gather(loss_mask, 1, safe.flatten(1)).view(batch, n, block_size).bool()
     block_ids = torch.full_like(labels, mask_token_id)
-    block_ids[:, :, 0] = torch.where(valid, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_token_id))
+    block_ids[:, :, 0] = torch.where(valid, tokens[:, :, 0], torch.full_like(tokens[:, :, 0], mask_token_id))
     weights = decay_weights(block_size, gamma, anchors.device)[None, None, :] * (valid[:, :, None] & inside & scored)
     return {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
             "labels": labels.flatten(1), "weights": weights.flatten(1)}

@@ -36,9 +36,11 @@ from tqdm.auto import tqdm
 from eqc_utils import io
 from eqc_utils.devices import resolve_device, wants_compile
 from eqc_utils.params import params_digest
-from eqc_utils.training import CheckpointDir, JsonlLog, ResumePlan, apply_schedule, plan_resume, warmup_cosine
+from eqc_utils.training import (CheckpointDir, JsonlLog, ResumePlan, apply_schedule, estimated_bytes, plan_resume,
+                                warmup_cosine)
 from eqc_utils.drafter.data import build_examples, collate, epoch_batches, padded_width
-from eqc_utils.drafter.features import context_features, freeze, input_embedding, output_head
+from eqc_utils.drafter.features import (context_features, context_features_and_greedy, freeze, input_embedding,
+                                        output_head)
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
                                      save_drafter, unwrap)
@@ -99,11 +101,16 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     compilation do not change which anchors a batch gets."""
     cfg = unwrap(drafter).config
     lengths = batch["attention_mask"].sum(1)
-    features = context_features(target, batch["input_ids"], batch["attention_mask"], cfg.target_layer_ids)
+    label_ids = None
+    if P["labels"] == "target_greedy":      # the tokens greedy verification accepts, not the sampled answer's
+        features, label_ids = context_features_and_greedy(target, batch["input_ids"], batch["attention_mask"],
+                                                          cfg.target_layer_ids)
+    else:
+        features = context_features(target, batch["input_ids"], batch["attention_mask"], cfg.target_layer_ids)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, cfg.block_size, P["num_anchors"], generator,
                                     fixed_count=compiled, key_width=P["max_length"])
     blocks = block_targets(batch["input_ids"], batch["loss_mask"], lengths, anchors, valid, cfg.block_size,
-                           cfg.mask_token_id, P["loss_decay_gamma"])
+                           cfg.mask_token_id, P["loss_decay_gamma"], label_ids)
     context_len = batch["input_ids"].shape[1]
     mask = build_block_mask(anchors, valid, context_len, cfg.block_size, P["attention"])
     with torch.no_grad():
@@ -374,7 +381,7 @@ def _save(s: _Session) -> None:
     s.ckpts.save(s.accelerator, s.counters["step"],
                  {"trajectory": s.trajectory, "horizons": s.horizons, "counters": dict(s.counters)},
                  lambda path: save_drafter(unwrap(s.drafter), path),
-                 keep_last=s.P["keep_last_ckpts"], keep_exports=True)
+                 keep_last=s.P["keep_last_ckpts"], keep_exports=True, expected_bytes=estimated_bytes(unwrap(s.drafter)))
 
 
 def _checkpoints(out_dir: Path) -> CheckpointDir:

@@ -40,7 +40,8 @@ from eqc_utils.quant.fake_quant import use_pinned_int4_forward
 from eqc_utils.quant.kl import chunked_forward_kl, check_same_vocab
 from eqc_utils.quant.packing import build_packs
 from eqc_utils.quant.ptq import awq_pack, dense_ptq_model, load_causal_lm, resolve_pack, student_from_pack
-from eqc_utils.training import CheckpointDir, JsonlLog, ResumePlan, apply_schedule, plan_resume, warmup_cosine
+from eqc_utils.training import (CheckpointDir, JsonlLog, ResumePlan, apply_schedule, estimated_bytes, plan_resume,
+                                warmup_cosine)
 
 STAGE = "03_qad_target"
 GRID_FILE = "grid_amax.safetensors"
@@ -591,7 +592,7 @@ def _save(s: _Session, step: int) -> None:
     meta = {"trajectory": s.trajectory, "horizons": s.horizons, "deepspeed": s.deepspeed,
             "processes": s.accelerator.num_processes, "eval_chunks": qad["eval_chunks"]}
     s.ckpts.save(s.accelerator, step, meta, lambda path: export_student(s.inner.lm, path, s.teacher_path),
-                 keep_last=qad["keep_last_ckpts"])
+                 keep_last=qad["keep_last_ckpts"], expected_bytes=estimated_bytes(s.inner.lm))
 
 
 def _finish(s: _Session, last: int) -> dict:

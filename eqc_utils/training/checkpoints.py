@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eqc_utils.io import describe_changes, read_json, stale_name, write_json
+from eqc_utils.io import describe_changes, ensure_free_space, read_json, stale_name, tree_bytes, write_json
 
 META_FILE = "meta.json"
 STATE_DIR = "state"
@@ -60,10 +60,14 @@ class CheckpointDir:
         accelerator.load_state(str(self.folder(step) / STATE_DIR))
 
     def save(self, accelerator, step: int, meta: dict, export: Callable[[Path], None], *, keep_last: int = 0,
-             keep_exports: bool = False) -> Path:
+             keep_exports: bool = False, expected_bytes: int = 0) -> Path:
         """Checkpoint `step`; every process calls this (each saves its own RNG state, DeepSpeed its shard).
-        `export(path)` writes the loadable weights into `path` (main process only)."""
+        `export(path)` writes the loadable weights into `path` (main process only). Before writing, the disk
+        must have room for one more checkpoint: the size of the newest whole one, or `expected_bytes` for the
+        first (estimated_bytes); otherwise DiskSpaceError says where and how much."""
         folder = self.folder(step)
+        ensure_free_space(self.root, int(1.1 * (self._last_whole_bytes() or expected_bytes)),
+                          f"checkpoint {folder.name}")
         if accelerator.is_main_process and folder.exists():
             shutil.rmtree(folder)          # an attempt at this step that was killed before its meta.json
         accelerator.wait_for_everyone()    # cleared before anyone writes into it
@@ -75,6 +79,10 @@ class CheckpointDir:
             self.prune(keep_last, keep_exports)
         accelerator.wait_for_everyone()
         return folder
+
+    def _last_whole_bytes(self) -> int:
+        whole = self.resumable()
+        return tree_bytes(self.folder(whole[-1])) if whole else 0
 
     def prune(self, keep_last: int, keep_exports: bool = False) -> None:
         """Keep the newest `keep_last` checkpoints whole (0: keep everything). Of the older ones delete only the
@@ -159,3 +167,9 @@ def plan_resume(ckpts: CheckpointDir, trajectory: dict, total_steps: int, resume
 def _horizon(entry: dict) -> dict:
     # QAD checkpoints of the previous version named the horizon after its setting, qad.max_steps
     return {"from_step": entry["from_step"], "total_steps": entry.get("total_steps", entry.get("max_steps"))}
+
+
+def estimated_bytes(model) -> int:
+    """A checkpoint's size from the model it holds: every weight twice (training state and export) and AdamW's
+    two fp32 moments per trainable weight."""
+    return sum(p.numel() * (2 * p.element_size() + (8 if p.requires_grad else 0)) for p in model.parameters())
