@@ -17,6 +17,8 @@ Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 
   fused+compile   both, the loss chunks compiled too
   ...+bucket      a compiled configuration whose batches are padded to the next multiple of --pad-multiple
                   (drafter.pad_multiple: one graph per width) instead of --seq
+  ...+greedy      any of these with drafter.labels target_greedy: the target runs all its layers and its head's
+                  argmax gives the labels (e.g. fused+compile+bucket+greedy)
 Batches alternate between two lengths (--seq and --seq minus 128, or --lengths) as real batches do; the compiled
 configurations get both padded to --seq (or, +bucket, to their own multiple of --pad-multiple). Length-grouped
 batches of real conversations, e.g. small's ~300-token answers, side by side with one padded shape:
@@ -179,16 +181,18 @@ def bench_drafter(args, device: str) -> list[dict]:
     configs = []
     for spec in specs:       # NAME or NAME@BxA: B sequences x A anchors instead of --batch x --anchors
         name, _, shape = spec.partition("@")
-        if name not in kinds:
+        kind = name.removesuffix("+greedy")      # +greedy: drafter.labels target_greedy (full target forward)
+        if kind not in kinds:
             continue         # a QAD configuration name
         batch, anchors = (int(v) for v in shape.split("x")) if shape else (args.batch, args.anchors)
-        if not (args.no_compile and kinds[name][1]):
-            configs.append((spec, *kinds[name], batch, anchors))
+        labels = "target_greedy" if name.endswith("+greedy") else "data"
+        if not (args.no_compile and kinds[kind][1]):
+            configs.append((spec, *kinds[kind], batch, anchors, labels))
     data_of = {}
     rows, first_losses = [], {}
-    for name, fused, compiled, bucket, batch, anchors in configs:
+    for name, fused, compiled, bucket, batch, anchors, labels in configs:
         data = data_of.setdefault(batch, batches(args, device, batch))
-        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused, "labels": "data",
+        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused, "labels": labels,
              "max_length": args.seq}
         drafter = copy.deepcopy(init)
         if compiled:   # as drafter.train does: batches padded to max_length (--seq) or, +bucket, a multiple
@@ -213,7 +217,7 @@ def bench_drafter(args, device: str) -> list[dict]:
         step = statistics.median(times)
         first_losses[name] = losses[0]
         flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)), anchors)
-        rows.append({"part": "drafter", "config": name, "sequences": batch, "anchors": anchors,
+        rows.append({"part": "drafter", "config": name, "labels": labels, "sequences": batch, "anchors": anchors,
                      "lengths": [b["input_ids"].shape[1] for b in data],
                      "padded_widths": [b["input_ids"].shape[1] for b in steps_data],
                      "step_s": round(step, 4), "sequence_ms": round(1000 * step / batch, 3),
