@@ -235,7 +235,8 @@ def table(r: dict, args, compile: bool) -> list[tuple[str, str, str]]:
         s = r["speculative"]
         rows += [("speculative with the drafter: tau", f"{s['tau']:8.2f}", ""),
                  ("speculative with the drafter", f"{s['spec_ms_per_token']:8.3f} ms/tok",
-                  f"{s['speedup']:5.2f} x fast plain ({s['plain_ms_per_token']:.3f}), same output {s['lossless']['tally']}")]
+                  f"{s['speedup']:5.2f} x fast plain ({s['plain_ms_per_token']:.3f}), "
+                  f"same output {s['lossless']['tally']}")]
     return rows
 
 

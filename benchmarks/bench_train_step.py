@@ -192,8 +192,8 @@ def bench_drafter(args, device: str) -> list[dict]:
     rows, first_losses = [], {}
     for name, fused, compiled, bucket, batch, anchors, labels in configs:
         data = data_of.setdefault(batch, batches(args, device, batch))
-        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused, "labels": labels,
-             "max_length": args.seq}
+        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
+             "labels": labels, "max_length": args.seq}
         drafter = copy.deepcopy(init)
         if compiled:   # as drafter.train does: batches padded to max_length (--seq) or, +bucket, a multiple
             drafter.compile(dynamic=False)

@@ -177,8 +177,9 @@ SCHEMA: dict = {
         "intermediate_size": Opt(int),     # MLP width; null = the target's
         "num_anchors": int,                # blocks per sequence (paper 512)
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
-        "labels": OneOf("data", "target_greedy"),  # what a block slot learns: the answer's token (DFlash) or the
-                                           # target's greedy token after the answer's prefix (what greedy verification accepts)
+        "labels": OneOf("data", "target_greedy"),  # what a block slot learns: the answer's token (DFlash) or
+                                           # the target's greedy token after the answer's prefix (what greedy
+                                           # verification accepts)
         "max_length": int,                 # tokens per training conversation (paper 3072)
         "max_conversations": Opt(int),     # cap on training conversations; null = the whole file
         "curve_conversations": ListOf(int),  # 06: extra pre-training runs on the first N conversations (learning curve)
@@ -206,7 +207,8 @@ SCHEMA: dict = {
         "eval_temperature": float,
         "eval_slots": int,                 # tau on a GPU: held-out prompts decoded this many at once (greedy,
                                            # attention-only targets; 1 = one at a time; drafter/batched_decode.py)
-        "speedup_prompts": int,            # 07: held-out prompts of the batch-1 wall-clock speed-up over plain greedy (0: off)
+        "speedup_prompts": int,            # 07: held-out prompts of the batch-1 wall-clock speed-up over plain
+                                           # greedy (0: off)
         "speedup_tokens": int,             # new tokens per prompt of that measurement
         "vllm_check": bool,                # 07 serves target + drafter on vLLM and compares with the reference tau
         "vllm_prompts": int,
