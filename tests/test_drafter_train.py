@@ -345,7 +345,7 @@ def test_on_the_targets_own_greedy_answers_both_label_sources_give_one_step(chai
         torch.manual_seed(0)
         drafter = new_drafter(P, target, tokenizer, None)
         loss, stats = drafter_step(drafter, target, b, {**P, "labels": labels}, torch.Generator().manual_seed(3))
-        return float(loss), stats
+        return float(loss.detach()), stats
 
     assert step(own_batch, "target_greedy") == step(own_batch, "data")
     assert step(batch, "target_greedy") != step(batch, "data")
