@@ -19,9 +19,12 @@ class _EnoughLayers(Exception):
     """Raised by the last hook to end a features-only forward early."""
 
 
+def _decoder(target: nn.Module) -> nn.Module:
+    return target.get_decoder() if hasattr(target, "get_decoder") else target.model
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(_decoder(target), "layers", None)
     if layers is None:
         raise TypeError(f"{type(target).__name__}: cannot find its decoder layers (expected .model.layers)")
     return layers
@@ -67,15 +70,12 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, attention_mask:
                      layer_ids: list[int]) -> torch.Tensor:
     """[B, S, len(layer_ids) * H]: the chosen layers' hidden states, concatenated on the feature axis.
     Runs only the decoder up to the deepest chosen layer (no final norm, no LM head)."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     with capture_layers(target, layer_ids, stop_early=True) as out:
         try:
-            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            _decoder(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _EnoughLayers:
             pass
-    if not out:
-        raise RuntimeError("the target forward finished without passing the chosen layers; check target_layer_ids")
-    return torch.cat(out, dim=-1)
+    return _concatenated(out)
 
 
 @torch.no_grad()
@@ -85,16 +85,19 @@ def context_features_and_greedy(target: nn.Module, input_ids: torch.Tensor, atte
     position p the target's argmax token after positions < p (greedy[:, 0] = input_ids[:, 0]), the token that
     greedy verification accepts there. The LM head runs over `chunk_positions` positions at a time, so the
     [B, S, vocab] logits never exist at once."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     with capture_layers(target, layer_ids) as out:
-        last = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    if not out:
-        raise RuntimeError("the target forward finished without passing the chosen layers; check target_layer_ids")
+        last = _decoder(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     head = output_head(target)
     flat = last[:, :-1].reshape(-1, last.shape[-1])
     picks = torch.cat([head(flat[i:i + chunk_positions]).argmax(-1) for i in range(0, flat.shape[0], chunk_positions)])
     greedy = torch.cat([input_ids[:, :1], picks.view(input_ids.shape[0], -1)], dim=1)
-    return torch.cat(out, dim=-1), greedy
+    return _concatenated(out), greedy
+
+
+def _concatenated(out: list[torch.Tensor]) -> torch.Tensor:
+    if not out:
+        raise RuntimeError("the target forward finished without passing the chosen layers; check target_layer_ids")
+    return torch.cat(out, dim=-1)
 
 
 def freeze(target: nn.Module) -> nn.Module:
