@@ -204,8 +204,8 @@ def bench_drafter(args, device: str) -> list[dict]:
                                                  args.seq)) for b in data] if compiled else data
 
             def step_loss(i, drafter=drafter, compiled=compiled, steps_data=steps_data):   # lengths alternate
-                return drafter_step(drafter, target, steps_data[i % 2], P, torch.Generator().manual_seed(i),
-                                    compiled=compiled)
+                batch = steps_data[i % len(steps_data)]
+                return drafter_step(drafter, target, batch, P, torch.Generator().manual_seed(i), compiled=compiled)
             times, losses, stats, first_step_s = timed_steps(step_loss, optimizer, args, device)
             scored = [s["scored"] for s in stats]
             if args.profile:

@@ -3,8 +3,8 @@
     python benchmarks/bench_vllm_dflash.py --drafter runs/small/06_drafter_pretrain/pretrain/drafter \
         --data runs/small/01_prompts/prompts_stage1.jsonl --prompts 16 --longest --max-tokens 128
 
-Two servers in turn through the project's launcher (target alone, then target + drafter with
-num_speculative_tokens = block - 1), greedy, requests sent one at a time (batch 1, the paper's
+Servers in turn through the project's launcher (target alone, then target + drafter with
+num_speculative_tokens = block - 1 for each of --blocks, default the drafter's own block size), greedy, requests sent one at a time (batch 1, the paper's
 latency setting). Prints per-request latency (median), decode tokens/s, the speed-up, vLLM's mean
 acceptance length (1 + accepted / drafts, from /metrics) and how many outputs are the same as plain
 decoding's: identical token ids, or a divergence where plain decoding was nearly tied (top-2 log-prob
@@ -26,15 +26,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eqc_utils import assets, io  # noqa: E402
 from eqc_utils.compare import compare_runs  # noqa: E402
+from eqc_utils.conversation import prompt_messages, render_prompt, request_messages  # noqa: E402
 from eqc_utils.drafter.data import split_heldout  # noqa: E402
-from eqc_utils.drafter.runs import json_block_size, prompt_ids  # noqa: E402
+from eqc_utils.drafter.runs import json_block_size  # noqa: E402
 from eqc_utils.serving.greedy import serve_greedy  # noqa: E402
+
+
+def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """What each row asks, rendered for generation: a conversation without its final answer (as the drafter's tau
+    is measured), or a prompt row's turns (01's prompts: no answer yet)."""
+    def asked(row: dict, where: str) -> list[dict]:
+        turns = row.get("conversations", row.get("messages")) or [{}]
+        answered = isinstance(turns[-1], dict) and turns[-1].get("role", turns[-1].get("from")) in ("assistant", "gpt")
+        return prompt_messages(row, where) if answered else request_messages(row, where)
+    return [render_prompt(tokenizer, asked(row, f"--data row {i + 1}")) for i, row in enumerate(rows)]
 
 
 def pick_prompts(tokenizer, rows: list[dict], n: int, longest: bool) -> list[list[int]]:
     if longest:
-        ids = prompt_ids(tokenizer, rows)
-        return sorted(ids, key=len)[-n:]
+        return sorted(prompt_ids(tokenizer, rows), key=len)[-n:]
     return prompt_ids(tokenizer, split_heldout(rows, n)[1])
 
 
@@ -58,6 +68,8 @@ def main() -> None:
                                                   "single-token steps round differently, so greedy ties can flip)")
     ap.add_argument("--near-tie-margin", type=float, default=0.05,
                     help="nats: a divergence from plain decoding passes where plain's top-2 margin is below this")
+    ap.add_argument("--blocks", default=None,
+                    help="comma-separated block sizes to serve the drafter with (e.g. 8,16; default its own)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="also write the numbers (and outputs) to this JSON file")
     args = ap.parse_args()
@@ -66,6 +78,11 @@ def main() -> None:
     drafter = Path(args.drafter)
     if not (drafter / "config.json").exists():
         raise SystemExit(f"--drafter {drafter}: no config.json there (a DFlash drafter folder is expected)")
+    own_block = json_block_size(drafter)
+    blocks = [int(b) for b in args.blocks.split(",")] if args.blocks else [own_block]
+    if any(not 2 <= b <= own_block for b in blocks):
+        raise SystemExit(f"--blocks {args.blocks}: each block size must be between 2 (one anchor + one draft) and "
+                         f"the drafter's own block size {own_block}")
     tokenizer = assets.load_tokenizer(str(target))
     prompts = pick_prompts(tokenizer, io.read_jsonl(args.data), args.prompts, args.longest)
     vllm_args = {"max-model-len": args.max_model_len, **({"dtype": args.dtype} if args.dtype else {})}
@@ -74,34 +91,40 @@ def main() -> None:
     # both runs ask for top-2 log-probs (only plain's are used), so both latencies include the same extra work
     plain = serve_greedy(target, prompts, args.max_tokens, vllm_args, log_dir=log_dir, device=args.device,
                          margins=True)
-    spec = serve_greedy(target, prompts, args.max_tokens, vllm_args, drafter, json_block_size(drafter) - 1,
-                        log_dir, args.device, margins=True)
-    p, s = summarize(plain), summarize(spec)
-    same = compare_runs(prompts, plain["runs"], spec["runs"], args.near_tie_margin, names=("plain", "speculative"))
+    p = summarize(plain)
     rows = [("command", " ".join(sys.argv)),
             ("machine", f"{platform.node()} {platform.machine()}"),
             ("prompts", f"{len(prompts)} (median {statistics.median(map(len, prompts)):.0f} prompt tokens), "
                         f"max_tokens {args.max_tokens}, greedy, one request at a time, dtype {args.dtype or 'auto'}"),
             ("target alone: median latency (s)", f"{p['median_latency_s']:.2f}"),
-            ("target alone: tokens/s", f"{p['tokens_per_s']:.1f}"),
-            ("with drafter: median latency (s)", f"{s['median_latency_s']:.2f}"),
-            ("with drafter: tokens/s", f"{s['tokens_per_s']:.1f}"),
-            ("speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
-            ("vLLM mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"
-             if spec["mean_acceptance_length"] else "n/a"),
-            ("same output (near-ties allowed)", same["tally"]),
-            ("wall (s)", f"{time.perf_counter() - started:.0f}")]
+            ("target alone: tokens/s", f"{p['tokens_per_s']:.1f}")]
+    results = {}
+    for block in blocks:
+        spec = serve_greedy(target, prompts, args.max_tokens, vllm_args, drafter, block - 1, log_dir, args.device,
+                            margins=True)
+        s = summarize(spec)
+        same = compare_runs(prompts, plain["runs"], spec["runs"], args.near_tie_margin,
+                            names=("plain", "speculative"))
+        rows += [(f"block {block}: median latency (s)", f"{s['median_latency_s']:.2f}"),
+                 (f"block {block}: tokens/s", f"{s['tokens_per_s']:.1f}"),
+                 (f"block {block}: speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
+                 (f"block {block}: vLLM mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"
+                  if spec["mean_acceptance_length"] else "n/a"),
+                 (f"block {block}: same output (near-ties allowed)", same["tally"])]
+        results[str(block)] = {"speculative": s, "speedup": p["median_latency_s"] / s["median_latency_s"],
+                               "identical": same["identical"], "near_tie": same["near_tie"],
+                               "mismatch": same["mismatch"], "summary": same["summary"],
+                               "mean_acceptance_length": spec["mean_acceptance_length"],
+                               "counters": spec.get("counters"), "texts": spec["texts"]}
+    rows.append(("wall (s)", f"{time.perf_counter() - started:.0f}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     if args.out:
-        io.write_json(Path(args.out), {"plain": p, "speculative": s, "identical": same["identical"],
-                                       "near_tie": same["near_tie"], "mismatch": same["mismatch"],
-                                       "summary": same["summary"], "prompts": len(prompts),
-                                       "mean_acceptance_length": spec["mean_acceptance_length"],
-                                       "counters": spec.get("counters"), "args": vars(args),
-                                       "texts": {"plain": plain["texts"], "speculative": spec["texts"]}})
-
+        io.write_json(Path(args.out), {"date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                       "machine": f"{platform.node()} {platform.machine()}",
+                                       "plain": p, "blocks": results, "prompts": len(prompts), "args": vars(args),
+                                       "plain_texts": plain["texts"]})
 
 if __name__ == "__main__":
     main()
