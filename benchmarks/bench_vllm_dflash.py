@@ -4,14 +4,20 @@
         --data runs/small/01_prompts/prompts_stage1.jsonl --prompts 16 --longest --max-tokens 128
 
 Servers in turn through the project's launcher (target alone, then target + drafter with
-num_speculative_tokens = block - 1 for each of --blocks, default the drafter's own block size), greedy, requests sent one at a time (batch 1, the paper's
-latency setting). Prints per-request latency (median), decode tokens/s, the speed-up, vLLM's mean
-acceptance length (1 + accepted / drafts, from /metrics) and how many outputs are the same as plain
-decoding's: identical token ids, or a divergence where plain decoding was nearly tied (top-2 log-prob
-margin below --near-tie-margin nats at the first differing token; `eqc_utils.compare`).
+num_speculative_tokens = block - 1 for each of --blocks, default the drafter's own block size), greedy, requests sent
+one at a time (batch 1, the paper's latency setting) after one untimed warm-up request per server. Prints
+per-request latency (median), decode tokens/s, the speed-up, vLLM's mean acceptance length (1 + accepted / drafts,
+from /metrics) and how many outputs are the same as plain decoding's: identical token ids, or a divergence where
+plain decoding was nearly tied (top-2 log-prob margin below --near-tie-margin nats at the first differing token;
+`eqc_utils.compare`).
 `--data` takes prompt rows or conversations; the prompts are its held-out rows (drafter.heldout_prompts
 rule) or, with --longest, its N longest prompts (the held-out set of drafters trained before the
 held-out rule went by id: the transformers generator writes rows sorted by prompt length).
+
+`--drafter random:LAYERSxBLOCK` (e.g. random:5x16, small's shape) serves an untrained drafter of that shape: almost
+nothing is accepted, so the run prices a speculative step on this machine before any drafter is trained. Every block
+also prints the step cost in plain tokens, (plain tokens/s / speculative tokens/s) x mean acceptance length: the τ at
+which speculation breaks even here (1.5x needs 1.5 times that τ).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from eqc_utils import assets, io  # noqa: E402
 from eqc_utils.compare import compare_runs  # noqa: E402
 from eqc_utils.conversation import prompt_messages, render_prompt, request_messages  # noqa: E402
 from eqc_utils.drafter.data import split_heldout  # noqa: E402
+from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for, pick_mask_token_id, save_drafter  # noqa: E402
 from eqc_utils.drafter.runs import json_block_size  # noqa: E402
 from eqc_utils.serving.greedy import serve_greedy  # noqa: E402
 
@@ -48,17 +55,34 @@ def pick_prompts(tokenizer, rows: list[dict], n: int, longest: bool) -> list[lis
     return prompt_ids(tokenizer, split_heldout(rows, n)[1])
 
 
+def random_drafter(spec: str, target: Path, tokenizer, out: Path) -> Path:
+    """An untrained drafter shaped `random:LAYERSxBLOCK` for `target`, saved where vLLM can load it."""
+    import torch
+    from transformers import AutoConfig
+    try:
+        layers, block = (int(n) for n in spec.split(":", 1)[1].lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--drafter {spec}: expected random:LAYERSxBLOCK, e.g. random:5x16") from None
+    torch.manual_seed(0)
+    cfg = drafter_config_for(AutoConfig.from_pretrained(target), num_layers=layers, block_size=block,
+                             target_layer_ids=None, mask_token_id=pick_mask_token_id(tokenizer))
+    return save_drafter(DFlashDrafter(cfg), out)
+
+
 def summarize(run: dict) -> dict:
     tokens = [t for t in run["completion_tokens"] if t]
     return {"median_latency_s": statistics.median(run["seconds"]),
             "tokens_per_s": sum(tokens) / sum(run["seconds"]),
-            "completion_tokens": sum(tokens)}
+            "completion_tokens": sum(tokens),
+            # per request, in prompt order: where outputs differ in length, latencies compare only per token
+            "seconds_per_request": list(run["seconds"]), "tokens_per_request": list(run["completion_tokens"])}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2", help="teacher spec or a model folder vLLM loads (e.g. a ct pack)")
-    ap.add_argument("--drafter", required=True, help="a DFlash drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--drafter", required=True, help="a DFlash drafter folder (config.json + model.safetensors), or "
+                                                     "random:LAYERSxBLOCK for an untrained one of that shape")
     ap.add_argument("--data", required=True, help="JSONL of prompt rows or conversations")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--longest", action="store_true", help="the N longest prompts instead of the held-out rule")
@@ -75,7 +99,10 @@ def main() -> None:
     args = ap.parse_args()
 
     target = Path(args.target) if Path(args.target).exists() else assets.teacher_dir(args.target)
-    drafter = Path(args.drafter)
+    tokenizer = assets.load_tokenizer(str(target))
+    log_dir = Path("runs") / "_bench_vllm_dflash"
+    drafter = (random_drafter(args.drafter, target, tokenizer, log_dir / "random_drafter")
+               if args.drafter.startswith("random:") else Path(args.drafter))
     if not (drafter / "config.json").exists():
         raise SystemExit(f"--drafter {drafter}: no config.json there (a DFlash drafter folder is expected)")
     own_block = json_block_size(drafter)
@@ -83,14 +110,12 @@ def main() -> None:
     if any(not 2 <= b <= own_block for b in blocks):
         raise SystemExit(f"--blocks {args.blocks}: each block size must be between 2 (one anchor + one draft) and "
                          f"the drafter's own block size {own_block}")
-    tokenizer = assets.load_tokenizer(str(target))
     prompts = pick_prompts(tokenizer, io.read_jsonl(args.data), args.prompts, args.longest)
     vllm_args = {"max-model-len": args.max_model_len, **({"dtype": args.dtype} if args.dtype else {})}
-    log_dir = Path("runs") / "_bench_vllm_dflash"
     started = time.perf_counter()
     # both runs ask for top-2 log-probs (only plain's are used), so both latencies include the same extra work
     plain = serve_greedy(target, prompts, args.max_tokens, vllm_args, log_dir=log_dir, device=args.device,
-                         margins=True)
+                         margins=True, warmup=True)
     p = summarize(plain)
     rows = [("command", " ".join(sys.argv)),
             ("machine", f"{platform.node()} {platform.machine()}"),
@@ -101,8 +126,12 @@ def main() -> None:
     results = {}
     for block in blocks:
         spec = serve_greedy(target, prompts, args.max_tokens, vllm_args, drafter, block - 1, log_dir, args.device,
-                            margins=True)
+                            margins=True, warmup=True)
         s = summarize(spec)
+        mal = spec["mean_acceptance_length"]
+        # a speculative step yields `mal` tokens on average, a plain step one: their cost ratio is the break-even tau.
+        # Per token over all requests, as outputs can differ in length where bf16 flips a near-tie
+        step_cost = p["tokens_per_s"] / s["tokens_per_s"] * mal if mal else None
         same = compare_runs(prompts, plain["runs"], spec["runs"], args.near_tie_margin,
                             names=("plain", "speculative"))
         rows += [(f"block {block}: median latency (s)", f"{s['median_latency_s']:.2f}"),
@@ -110,11 +139,13 @@ def main() -> None:
                  (f"block {block}: speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
                  (f"block {block}: vLLM mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"
                   if spec["mean_acceptance_length"] else "n/a"),
+                 (f"block {block}: step cost in plain tokens (break-even tau)", f"{step_cost:.2f}"
+                  if step_cost else "n/a"),
                  (f"block {block}: same output (near-ties allowed)", same["tally"])]
         results[str(block)] = {"speculative": s, "speedup": p["median_latency_s"] / s["median_latency_s"],
                                "identical": same["identical"], "near_tie": same["near_tie"],
                                "mismatch": same["mismatch"], "summary": same["summary"],
-                               "mean_acceptance_length": spec["mean_acceptance_length"],
+                               "mean_acceptance_length": mal, "step_cost_plain_tokens": step_cost,
                                "counters": spec.get("counters"), "texts": spec["texts"]}
     rows.append(("wall (s)", f"{time.perf_counter() - started:.0f}"))
     width = max(len(k) for k, _ in rows)
