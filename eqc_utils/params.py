@@ -116,6 +116,9 @@ SCHEMA: dict = {
         "calib_seq_len": int,
         "awq_tokens_per_batch": int,
         "min_quantized_modules": int,      # abort the grid pin if fewer modules got an INT4 quantiser
+        # AWQ on a GPU: compile modelopt's fake-quant CUDA extension on first use (true), or use modelopt's PyTorch
+        # fake quantisation (false, the path CPU runs take) and skip the compile on a node without a build cache
+        "cuda_extension": bool,
     },
     # ---- stage 2: quantisation-aware distillation (eqc_utils.quant.qad)
     "qad": {

@@ -78,3 +78,47 @@ def test_too_few_quantised_modules_is_a_clear_error(models):
     quant = {**micro_params()["quant"], "min_quantized_modules": 500}
     with pytest.raises(grid.GridError, match="min_quantized_modules"):
         grid.attach_int4_quantizers(model, quant)
+
+
+@pytest.fixture
+def cuda_extension_state():
+    """skip_cuda_extension changes modelopt's process-wide cache: put it back afterwards."""
+    from modelopt.torch.quantization import extensions
+    had = hasattr(extensions.get_cuda_ext, "extension")
+    saved = getattr(extensions.get_cuda_ext, "extension", None)
+    yield extensions
+    if had:
+        extensions.get_cuda_ext.extension = saved
+    elif hasattr(extensions.get_cuda_ext, "extension"):
+        del extensions.get_cuda_ext.extension
+
+
+def test_skip_cuda_extension_leaves_modelopt_its_pytorch_fake_quant(cuda_extension_state):
+    """The marker is the one modelopt reads: its CUDA fake-quant entry point fails over (AttributeError, which
+    FakeTensorQuantFunction catches), so no extension is compiled, and the fake-quant values are still the grid's."""
+    from modelopt.torch.quantization.tensor_quant import fake_quant_impl, fake_tensor_quant
+    if hasattr(cuda_extension_state.get_cuda_ext, "extension") and cuda_extension_state.get_cuda_ext.extension:
+        pytest.skip("modelopt's CUDA extension is already loaded in this process")
+    assert grid.skip_cuda_extension()
+    w, amax = torch.randn(4, 32), torch.full((4, 1), 2.0)
+    with pytest.raises(AttributeError):
+        fake_quant_impl(w, amax, num_bits=4, narrow_range=False)
+    expected = torch.clamp(torch.round(w * 7 / 2.0), -8, 7) * 2.0 / 7
+    torch.testing.assert_close(fake_tensor_quant(w, amax, None, 4, False, False), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fake_quant_forward_on_cuda_without_the_extension_matches_cpu(models, cuda_extension_state):
+    """On a GPU, with the extension marked absent, the INT4 fake-quant forward runs modelopt's PyTorch path (nothing
+    is compiled) and gives the CPU's logits."""
+    quant = {**micro_params()["quant"], "min_quantized_modules": 1}
+    assert grid.skip_cuda_extension()
+    ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for device in ("cpu", "cuda"):
+        model = ptq.load_causal_lm(models["llama"]).to(device)
+        grid.attach_int4_quantizers(model, quant)
+        with torch.no_grad():
+            logits[device] = model(ids.to(device)).logits.float().cpu()
+    assert cuda_extension_state.get_cuda_ext() is None
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], rtol=1e-3, atol=1e-3)

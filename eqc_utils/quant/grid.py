@@ -46,6 +46,20 @@ def int4_quant_config(group_size: int, skip_patterns: list[str], algorithm="max"
     return cfg
 
 
+def skip_cuda_extension() -> bool:
+    """Have modelopt fake-quantise CUDA tensors with its PyTorch code instead of compiling its CUDA extension.
+
+    modelopt compiles `modelopt_cuda_ext` the first time it fake-quantises a CUDA tensor (about a minute on a node
+    without a torch-extensions build cache) and falls back to its PyTorch path where that extension is absent, as
+    after a failed build. Marking it absent before first use takes that path. An extension already loaded stays.
+    Returns whether the PyTorch path is now the one used."""
+    from modelopt.torch.quantization import extensions
+
+    if not hasattr(extensions.get_cuda_ext, "extension"):
+        extensions.get_cuda_ext.extension = None   # modelopt's own "not available" marker (get_cuda_ext caches it)
+    return extensions.get_cuda_ext() is None
+
+
 def check_group_size(model: nn.Module, group_size: int, skip_patterns: list[str]) -> None:
     """Every Linear to be quantised must split into whole groups (and vLLM's kernels need it too)."""
     for name, module in model.named_modules():

@@ -53,6 +53,8 @@ def awq_pack(teacher_path: Path, calib_ids: torch.Tensor, quant: dict, pack: dic
 
     # The clip search runs where the model is: on a GPU it takes seconds, on 2 CPU cores minutes.
     model = load_causal_lm(teacher_path).to(device)
+    if not quant["cuda_extension"]:
+        grid.skip_cuda_extension()
 
     def forward_loop(m):
         with torch.no_grad():
