@@ -137,8 +137,7 @@ def main() -> None:
         rows += [(f"block {block}: median latency (s)", f"{s['median_latency_s']:.2f}"),
                  (f"block {block}: tokens/s", f"{s['tokens_per_s']:.1f}"),
                  (f"block {block}: speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
-                 (f"block {block}: vLLM mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"
-                  if spec["mean_acceptance_length"] else "n/a"),
+                 (f"block {block}: vLLM mean acceptance length", f"{mal:.3f}" if mal else "n/a"),
                  (f"block {block}: step cost in plain tokens (break-even tau)", f"{step_cost:.2f}"
                   if step_cost else "n/a"),
                  (f"block {block}: same output (near-ties allowed)", same["tally"])]
