@@ -178,6 +178,8 @@ SCHEMA: dict = {
         "target_layer_ids": Opt(ListOf(int)),   # null = evenly spaced round(1 + i(L-4)/(n-1)), n = num_layers
         "mask_token_id": Opt(int),         # null = the tokenizer's highest spare special token (SmolLM2: 16)
         "intermediate_size": Opt(int),     # MLP width; null = the target's
+        "init_layers": OneOf("random", "target_last"),  # random (DFlash); target_last: copies of the target's last
+                                           # decoder layers and final norm (same shapes required)
         "num_anchors": int,                # blocks per sequence (paper 512)
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
         "labels": OneOf("data", "target_greedy"),  # what a block slot learns: the answer's token (DFlash) or

@@ -64,3 +64,22 @@ def test_training_pass_equals_incremental_inference(micro_llama_dir):
         # step 2: the rest of the context up to anchor 9, then the block at 9
         infer_out = drafter(embeds[:, 4:8], features[:, 5:9], torch.arange(5, 13)[None], cache=cache)
     torch.testing.assert_close(infer_out, train_out[:, 4:8], atol=1e-5, rtol=1e-4)
+
+
+def test_target_last_init_copies_the_last_layers_and_the_final_norm(micro_llama_dir, micro_qwen35_dir, tokenizer):
+    import pytest
+    from eqc_utils.drafter.train import new_drafter
+    from tests._fixtures_drafter import tiny_params
+    target = load_causal_lm(micro_llama_dir)              # 2 layers
+    drafter = new_drafter(tiny_params(num_layers=1, init_layers="target_last"), target, tokenizer, None)
+    last = target.model.layers[-1]
+    for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+        assert torch.equal(drafter.layers[0].get_parameter(name), last.get_parameter(name)), name
+    assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    random = new_drafter(tiny_params(num_layers=1), target, tokenizer, None)
+    assert not torch.equal(random.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    # Qwen3.5: the layer before the last full-attention one is Gated DeltaNet, which has no q_proj to copy
+    qwen = load_causal_lm(micro_qwen35_dir)
+    with pytest.raises(ValueError, match="init_layers.*lacks self_attn.q_proj.weight"):
+        new_drafter(tiny_params(num_layers=2, init_layers="target_last"), qwen, tokenizer, None)

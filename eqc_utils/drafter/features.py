@@ -30,6 +30,11 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def final_norm(target: nn.Module) -> nn.Module | None:
+    """The norm between the last decoder layer and the LM head (None where the model has none by that name)."""
+    return getattr(_decoder(target), "norm", None)
+
+
 def input_embedding(target: nn.Module) -> nn.Embedding:
     return target.get_input_embeddings()
 

@@ -39,8 +39,8 @@ from eqc_utils.params import params_digest
 from eqc_utils.training import (CheckpointDir, JsonlLog, ResumePlan, apply_schedule, estimated_bytes, plan_resume,
                                 warmup_cosine)
 from eqc_utils.drafter.data import build_examples, collate, epoch_batches, padded_width
-from eqc_utils.drafter.features import (context_features, context_features_and_greedy, freeze, input_embedding,
-                                        output_head)
+from eqc_utils.drafter.features import (context_features, context_features_and_greedy, decoder_layers, final_norm,
+                                        freeze, input_embedding, output_head)
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
                                      save_drafter, unwrap)
@@ -90,7 +90,37 @@ def new_drafter(P: dict, target, tokenizer, init_from: Path | None) -> DFlashDra
     cfg = drafter_config_for(target.config, num_layers=P["num_layers"], block_size=P["block_size"],
                              target_layer_ids=P["target_layer_ids"], mask_token_id=mask_id,
                              intermediate_size=P["intermediate_size"])
-    return DFlashDrafter(cfg)
+    drafter = DFlashDrafter(cfg)
+    if P["init_layers"] == "target_last":
+        copy_target_layers(drafter, target)
+    return drafter
+
+
+# a drafter layer without these would start from the target's attention and MLP in name only
+_LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+@torch.no_grad()
+def copy_target_layers(drafter: DFlashDrafter, target) -> None:
+    """Start the draft layers as copies of the target's last decoder layers and its final norm (drafter.init_layers:
+    target_last): they already map hidden states towards what the shared LM head reads, so training starts from a
+    working readout instead of random projections. Weights the target layer lacks (Qwen3's q/k norms next to a
+    Llama target) keep their fresh values; `fc`, which fuses the context features, stays random."""
+    source = decoder_layers(target)[-len(drafter.layers):]
+    for index, (mine, theirs) in enumerate(zip(drafter.layers, source)):
+        theirs_state = theirs.state_dict()
+        missing = [k for k in _LAYER_WEIGHTS if k not in theirs_state or theirs_state[k].shape != mine.state_dict()[k].shape]
+        if missing:
+            raise ValueError(f"drafter.init_layers: target_last needs the target's last {len(drafter.layers)} layers to be "
+                             f"attention layers shaped like the drafter's; layer {len(decoder_layers(target)) - len(source) + index} "
+                             f"of {type(theirs).__name__} lacks {missing[0]} (set drafter.init_layers: random)")
+        for name, value in mine.state_dict().items():
+            if name in theirs_state and theirs_state[name].shape == value.shape:
+                value.copy_(theirs_state[name].to(value.dtype))
+    norm = final_norm(target)
+    if norm is not None and norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight.dtype))
 
 
 def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generator, *,
