@@ -77,6 +77,10 @@ def test_target_last_init_copies_the_last_layers_and_the_final_norm(micro_llama_
         assert torch.equal(drafter.layers[0].get_parameter(name), last.get_parameter(name)), name
     assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
     assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    features = torch.randn(1, 3, len(drafter.config.target_layer_ids) * drafter.config.hidden_size)
+    deepest = drafter.config.target_layer_ids.index(max(drafter.config.target_layer_ids))
+    h = drafter.config.hidden_size
+    assert torch.equal(drafter.fc(features), features[..., deepest * h:(deepest + 1) * h])
     random = new_drafter(tiny_params(num_layers=1), target, tokenizer, None)
     assert not torch.equal(random.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
     # Qwen3.5: the layer before the last full-attention one is Gated DeltaNet, which has no q_proj to copy

@@ -105,8 +105,9 @@ _LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
 def copy_target_layers(drafter: DFlashDrafter, target) -> None:
     """Start the draft layers as copies of the target's last decoder layers and its final norm (drafter.init_layers:
     target_last): they already map hidden states towards what the shared LM head reads, so training starts from a
-    working readout instead of random projections. Weights the target layer lacks (Qwen3's q/k norms next to a
-    Llama target) keep their fresh values; `fc`, which fuses the context features, stays random."""
+    working readout instead of random projections. `fc` starts by passing on the deepest captured layer alone, so the
+    copied attention first reads context close to what those layers see in the target; weights the target layer lacks
+    (Qwen3's q/k norms next to a Llama target) keep their fresh values."""
     source = decoder_layers(target)[-len(drafter.layers):]
     for index, (mine, theirs) in enumerate(zip(drafter.layers, source)):
         theirs_state = theirs.state_dict()
@@ -118,6 +119,10 @@ def copy_target_layers(drafter: DFlashDrafter, target) -> None:
         for name, value in mine.state_dict().items():
             if name in theirs_state and theirs_state[name].shape == value.shape:
                 value.copy_(theirs_state[name].to(value.dtype))
+    hidden = drafter.config.hidden_size
+    deepest = max(range(len(drafter.config.target_layer_ids)), key=lambda i: drafter.config.target_layer_ids[i])
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * hidden:(deepest + 1) * hidden] = torch.eye(hidden)
     norm = final_norm(target)
     if norm is not None and norm.weight.shape == drafter.norm.weight.shape:
         drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight.dtype))
