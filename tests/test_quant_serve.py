@@ -14,7 +14,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "日本の首都は", "1, 2, 3, 4,"]
 MAX_TOKENS = 12
 ARGS = {"max-model-len": 512}
-MARGIN = 0.05
+# vLLM's logits are bf16 and the two kernels round differently: one bf16 step of a logit is 0.0625 at 8-16 and 0.125
+# at 16-32, and a first divergence at a 0.094-nat margin has been seen on a fresh install. Real mismatches (the broken
+# scale below) diverge where the dense margin is a nat or more.
+MARGIN = 0.25
 BROKEN_SCALE = "model.layers.1.mlp.down_proj.weight_scale"
 
 
