@@ -1,12 +1,14 @@
 import json
 
+import pytest
 import torch
 
 from eqc_utils.drafter.features import context_features, input_embedding
 from eqc_utils.drafter.mask import dense_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, DraftCache, default_target_layer_ids, drafter_config_for,
                                      load_drafter, pick_mask_token_id, save_drafter)
-from tests._fixtures_drafter import load_causal_lm
+from eqc_utils.drafter.train import new_drafter
+from tests._fixtures_drafter import load_causal_lm, tiny_params
 
 
 def test_default_target_layers_match_the_paper():
@@ -67,13 +69,11 @@ def test_training_pass_equals_incremental_inference(micro_llama_dir):
 
 
 def test_target_last_init_copies_the_last_layers_and_the_final_norm(micro_llama_dir, micro_qwen35_dir, tokenizer):
-    import pytest
-    from eqc_utils.drafter.train import new_drafter
-    from tests._fixtures_drafter import tiny_params
     target = load_causal_lm(micro_llama_dir)              # 2 layers
     drafter = new_drafter(tiny_params(num_layers=1, init_layers="target_last"), target, tokenizer, None)
     last = target.model.layers[-1]
-    for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+    for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight"):
         assert torch.equal(drafter.layers[0].get_parameter(name), last.get_parameter(name)), name
     assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
     assert torch.equal(drafter.norm.weight, target.model.norm.weight)

@@ -108,15 +108,17 @@ def copy_target_layers(drafter: DFlashDrafter, target) -> None:
     working readout instead of random projections. `fc` starts by passing on the deepest captured layer alone, so the
     copied attention first reads context close to what those layers see in the target; weights the target layer lacks
     (Qwen3's q/k norms next to a Llama target) keep their fresh values."""
-    source = decoder_layers(target)[-len(drafter.layers):]
-    for index, (mine, theirs) in enumerate(zip(drafter.layers, source)):
-        theirs_state = theirs.state_dict()
-        missing = [k for k in _LAYER_WEIGHTS if k not in theirs_state or theirs_state[k].shape != mine.state_dict()[k].shape]
+    layers = decoder_layers(target)
+    first = len(layers) - len(drafter.layers)
+    for index, mine in enumerate(drafter.layers):
+        theirs = layers[first + index]
+        theirs_state, mine_state = theirs.state_dict(), mine.state_dict()
+        missing = [k for k in _LAYER_WEIGHTS if k not in theirs_state or theirs_state[k].shape != mine_state[k].shape]
         if missing:
-            raise ValueError(f"drafter.init_layers: target_last needs the target's last {len(drafter.layers)} layers to be "
-                             f"attention layers shaped like the drafter's; layer {len(decoder_layers(target)) - len(source) + index} "
-                             f"of {type(theirs).__name__} lacks {missing[0]} (set drafter.init_layers: random)")
-        for name, value in mine.state_dict().items():
+            raise ValueError(f"drafter.init_layers: target_last needs the target's last {len(drafter.layers)} layers "
+                             f"to be attention layers shaped like the drafter's; layer {first + index} "
+                             f"({type(theirs).__name__}) lacks {missing[0]} (set drafter.init_layers: random)")
+        for name, value in mine_state.items():
             if name in theirs_state and theirs_state[name].shape == value.shape:
                 value.copy_(theirs_state[name].to(value.dtype))
     hidden = drafter.config.hidden_size
