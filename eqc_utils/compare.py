@@ -5,7 +5,7 @@ decoding) round differently. Where the greedy path passes a near-tie -- top-1 an
 likely -- either token may come out, and the two outputs part from there on although nothing is wrong.
 So outputs are compared by token ids, and a divergence is accepted as numerics only when the
 *reference* run was nearly tied at the first differing position k: its top-1 minus top-2 log-probability
-margin there is below `near_tie_margin` nats. Anything else is a real mismatch: a clear choice that
+margin there is at most `near_tie_margin` nats. Anything else is a real mismatch: a clear choice that
 changed, or one run ending (or going on) where the reference was not near a tie.
 
     reference = [complete_greedy(dense_url, p, 64, margins=True) for p in prompts]    # needs margins
@@ -69,7 +69,7 @@ def judge(reference: GreedyRun, other: GreedyRun, near_tie_margin: float) -> Ver
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     margins = reference.margins or []
     margin = margins[k] if k < len(margins) and k < len(a) else None
-    kind = NEAR_TIE if margin is not None and margin < near_tie_margin else MISMATCH
+    kind = NEAR_TIE if margin is not None and margin <= near_tie_margin else MISMATCH
     return Verdict(kind, k, margin, a[k] if k < len(a) else None, b[k] if k < len(b) else None)
 
 
@@ -94,7 +94,7 @@ def compare_runs(prompts: Sequence, reference: Sequence[GreedyRun], other: Seque
     tally = f"{n - count[MISMATCH]}/{n}" + (f" ({', '.join(notes)})" if notes else "")
     summary = (f"{other_name} vs {ref_name}: {n - count[MISMATCH]}/{n} prompts give the same output "
                f"({count[IDENTICAL]} identical, {count[NEAR_TIE]} near-tie), {count[MISMATCH]} mismatch "
-               f"(near-tie: {ref_name}'s top-1 minus top-2 log-prob < {near_tie_margin} nats at the first "
+               f"(near-tie: {ref_name}'s top-1 minus top-2 log-prob <= {near_tie_margin} nats at the first "
                f"differing token)")
     first = next((i for i, v in enumerate(verdicts) if v.kind == MISMATCH), None)
     if first is not None:

@@ -166,7 +166,7 @@ SCHEMA: dict = {
         "verify_prompts": int,             # prompts on which vLLM's greedy output must equal the dense twin's
         "verify_max_tokens": int,
         # a divergence from the dense twin passes only as a near-tie: the twin's top-2 log-prob margin
-        # (nats) at the first differing token is below this; anything else is a real mismatch
+        # (nats) at the first differing token is at most this; anything else is a real mismatch
         "near_tie_margin": float,
         "vllm_check": bool,
         "vllm_args": ANY_DICT,

@@ -28,8 +28,11 @@ def test_divergence_at_a_clear_choice_is_a_mismatch():
     assert (v.kind, v.position, v.margin, v.reference_token, v.other_token) == (MISMATCH, 2, 1.5, 7, 4)
 
 
-def test_margin_at_the_threshold_is_not_a_near_tie():
-    assert judge(ref([1, 2], [M, 1.0]), GreedyRun([3, 2]), M).kind == MISMATCH
+def test_margin_at_the_threshold_is_a_near_tie_and_above_it_a_mismatch():
+    # bf16 margins are multiples of the logit spacing, so one can sit exactly on the threshold: a tiny 04 check
+    # parted at a 0.500-nat margin with near_tie_margin 0.5 (two steps of a logit in [32, 64))
+    assert judge(ref([1, 2], [M, 1.0]), GreedyRun([3, 2]), M).kind == NEAR_TIE
+    assert judge(ref([1, 2], [M + 1e-6, 1.0]), GreedyRun([3, 2]), M).kind == MISMATCH
 
 
 def test_without_margins_any_divergence_is_a_mismatch():

@@ -5,7 +5,7 @@ Two servers in turn, through the project's launcher (killed by PID on exit): the
 the target + drafter. Same token-id prompts, greedy. Outputs are compared by token ids with plain
 decoding as the reference (`eqc_utils.compare`): verification of a whole block and single-token steps
 round differently, so a divergence where plain decoding was nearly tied (top-1 minus top-2 log-prob
-below `near_tie_margin` nats at the first differing token) is accepted as numerics; any other is a
+at most `near_tie_margin` nats at the first differing token) is accepted as numerics; any other is a
 mismatch. vLLM's mean acceptance length comes from its Prometheus counters, 1 + accepted / drafts,
 read before and after the prompts (the server is idle otherwise), as in the reference's MAL protocol
 (docs/recipe.md §5.3).

@@ -4,7 +4,7 @@ The compressed-tensors pack runs vLLM's W4A16 kernel; the dense twin holds the s
 weights as plain bf16 tensors. The same greedy outputs on a set of prompts mean the pack is read as
 written (codes, scales, group layout, ignore list). The two kernels round differently, so a
 divergence where the twin itself was nearly tied is accepted as numerics (`eqc_utils.compare`: the
-twin's top-1 minus top-2 log-prob at the first differing token is below `near_tie_margin` nats);
+twin's top-1 minus top-2 log-prob at the first differing token is at most `near_tie_margin` nats);
 any other divergence fails the check. Servers are started one at a time through the project's
 launcher (which kills them by PID on exit).
 """
