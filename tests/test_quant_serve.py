@@ -14,10 +14,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "日本の首都は", "1, 2, 3, 4,"]
 MAX_TOKENS = 12
 ARGS = {"max-model-len": 512}
-# vLLM's logits are bf16 and the two kernels round differently: one bf16 step of a logit is 0.0625 at 8-16 and 0.125
-# at 16-32, and a first divergence at a 0.094-nat margin has been seen on a fresh install. Real mismatches (the broken
-# scale below) diverge where the dense margin is a nat or more.
-MARGIN = 0.25
+# vLLM's logits are bf16 and the two kernels round differently. The micro model's margins sit on the grids of small
+# logits (1/32 in [4, 8), 1/16 in [8, 16)), and the right pack has parted from the twin at a 0.094-nat margin (three
+# steps in [4, 8)): up to four such steps is numerics here.
+MARGIN = 0.125
 BROKEN_SCALE = "model.layers.1.mlp.down_proj.weight_scale"
 
 
@@ -74,7 +74,10 @@ def test_a_pack_with_a_wrong_scale_fails_with_real_mismatches(micro_pack, twin_r
     result = serve_check.pack_serves_like_twin(broken, micro_pack / "dense", PROMPTS, MAX_TOKENS, ARGS,
                                                near_tie_margin=MARGIN, log_dir=tmp_path / "logs", device="cpu",
                                                twin_runs=twin_runs)
-    assert not result["passed"] and result["mismatch"] >= len(PROMPTS) // 2, result["summary"]
+    # the wrong scale changes most outputs, and at least one change overturns a clear choice of the twin; how many of
+    # the changes land on the micro model's small margins (near-ties) is luck, so that is not asserted
+    assert not result["passed"] and result["mismatch"] >= 1, result["summary"]
+    assert result["identical"] <= len(PROMPTS) // 2, result["summary"]
     mismatches = [ex for ex in result["examples"] if ex["verdict"] == "mismatch"]
     assert all(ex["margin"] >= MARGIN and ex["dense_token"] != ex["pack_token"] for ex in mismatches), mismatches
     assert "first mismatch" in result["summary"]
