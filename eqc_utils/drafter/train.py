@@ -122,7 +122,8 @@ def copy_target_layers(drafter: DFlashDrafter, target) -> None:
             if name in theirs_state and theirs_state[name].shape == value.shape:
                 value.copy_(theirs_state[name].to(value.dtype))
     hidden = drafter.config.hidden_size
-    deepest = max(range(len(drafter.config.target_layer_ids)), key=lambda i: drafter.config.target_layer_ids[i])
+    ids = drafter.config.target_layer_ids
+    deepest = ids.index(max(ids))
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, deepest * hidden:(deepest + 1) * hidden] = torch.eye(hidden)
     norm = final_norm(target)
