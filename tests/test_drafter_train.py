@@ -349,3 +349,31 @@ def test_on_the_targets_own_greedy_answers_both_label_sources_give_one_step(chai
 
     assert step(own_batch, "target_greedy") == step(own_batch, "data")
     assert step(batch, "target_greedy") != step(batch, "data")
+
+
+def test_heldout_prompts_of_stage_two_must_be_unseen_by_pretraining(tmp_path):
+    """07 scores both arms on its held-out prompts: none may be a training prompt of 06. Disjoint sets, the same
+    set and a superset are safe by the md5 rule; a strict subset leaves training prompts among them."""
+    from eqc_utils import io
+    from eqc_utils.drafter.data import heldout_seen_in_pretraining
+    from eqc_utils.drafter.runs import check_heldout_unseen
+
+    def rows(ids, tag):
+        return [{"id": f"{i}#{tag}{k}" if k else i, "prompt_id": i, "answer": f"{tag}{k}"} for i in ids for k in range(2)]
+    stage1 = [f"p{i}" for i in range(40)]
+    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows([f"q{i}" for i in range(30)], "s"), 4) == []
+    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows(stage1, "s"), 4) == []
+    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows(stage1 + [f"q{i}" for i in range(30)], "s"), 4) == []
+    subset = stage1[::3]
+    seen = heldout_seen_in_pretraining(rows(stage1, "t"), rows(subset, "s"), 4)
+    _, held07 = split_heldout(rows(subset, "s"), 4)
+    train06, _ = split_heldout(rows(stage1, "t"), 4)
+    expected = sorted({r["prompt_id"] for r in held07} & {r["prompt_id"] for r in train06})
+    assert seen == expected and seen, "a subset this sparse must hold out some of stage 1's training prompts"
+
+    io.write_jsonl(tmp_path / "teacher.jsonl", rows(stage1, "t"))
+    io.write_jsonl(tmp_path / "qad.jsonl", rows(subset, "s"))
+    with pytest.raises(ValueError, match="exclude_stage1_from_stage2"):
+        check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", {"heldout_prompts": 4})
+    io.write_jsonl(tmp_path / "qad.jsonl", rows(stage1, "s"))
+    check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", {"heldout_prompts": 4})

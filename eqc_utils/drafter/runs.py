@@ -15,7 +15,7 @@ from eqc_utils import io
 from eqc_utils.devices import resolve_device
 from eqc_utils.conversation import prompt_messages, render_prompt
 from eqc_utils.drafter.batched_decode import measure_acceptance_batched
-from eqc_utils.drafter.data import split_heldout
+from eqc_utils.drafter.data import heldout_seen_in_pretraining, split_heldout
 from eqc_utils.drafter.decode import AcceptanceReport, DFlashProposer, measure_acceptance
 from eqc_utils.drafter.fast_decode import UnsupportedTargetError, measure_acceptance_fast
 from eqc_utils.drafter.model import load_drafter
@@ -50,6 +50,20 @@ def train_run(name: str, target_dir: Path, data_path: Path, out_dir: Path, P: di
                    init_from=Path(init_from) if init_from else None)
     final = train_drafter(run, P, tokenizer, device=device, seed=seed, log=log)
     return RunResult(name, Path(target_dir), Path(out_dir), final, heldout, read_history(out_dir))
+
+
+def check_heldout_unseen(pretrain_data: Path, finetune_data: Path, P: dict) -> None:
+    """Refuse, before any fine-tuning, a stage 2 whose held-out prompts were pre-training prompts of stage 1: the
+    two-stage arm would be scored on prompts it has seen and would beat the direct arm for that reason alone."""
+    seen = heldout_seen_in_pretraining(io.read_jsonl(pretrain_data), io.read_jsonl(finetune_data),
+                                       P["heldout_prompts"])
+    if seen:
+        raise ValueError(
+            f"{len(seen)} of the {P['heldout_prompts']} held-out prompts of {finetune_data} (drafter.heldout_prompts) "
+            f"are training prompts of the pre-training on {pretrain_data}, e.g. {', '.join(seen[:3])}: tau of the "
+            f"two-stage drafter would be measured on prompts it was trained on. Make stage 2's prompts disjoint from "
+            f"stage 1's (prompts.exclude_stage1_from_stage2: true) or the same set or a superset of it (with the "
+            f"exclusion off, prompts.stage2_quotas at least prompts.stage1_quotas in every category), then rerun 01.")
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
