@@ -361,19 +361,20 @@ def test_heldout_prompts_of_stage_two_must_be_unseen_by_pretraining(tmp_path):
     def rows(ids, tag):
         return [{"id": f"{i}#{tag}{k}" if k else i, "prompt_id": i, "answer": f"{tag}{k}"} for i in ids for k in range(2)]
     stage1 = [f"p{i}" for i in range(40)]
-    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows([f"q{i}" for i in range(30)], "s"), 4) == []
-    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows(stage1, "s"), 4) == []
-    assert heldout_seen_in_pretraining(rows(stage1, "t"), rows(stage1 + [f"q{i}" for i in range(30)], "s"), 4) == []
-    subset = stage1[::3]
-    seen = heldout_seen_in_pretraining(rows(stage1, "t"), rows(subset, "s"), 4)
-    _, held07 = split_heldout(rows(subset, "s"), 4)
     train06, _ = split_heldout(rows(stage1, "t"), 4)
+    assert heldout_seen_in_pretraining(train06, rows([f"q{i}" for i in range(30)], "s"), 4) == []
+    assert heldout_seen_in_pretraining(train06, rows(stage1, "s"), 4) == []
+    assert heldout_seen_in_pretraining(train06, rows(stage1 + [f"q{i}" for i in range(30)], "s"), 4) == []
+    subset = stage1[::3]
+    seen = heldout_seen_in_pretraining(train06, rows(subset, "s"), 4)
+    _, held07 = split_heldout(rows(subset, "s"), 4)
     expected = sorted({r["prompt_id"] for r in held07} & {r["prompt_id"] for r in train06})
     assert seen == expected and seen, "a subset this sparse must hold out some of stage 1's training prompts"
 
     io.write_jsonl(tmp_path / "teacher.jsonl", rows(stage1, "t"))
     io.write_jsonl(tmp_path / "qad.jsonl", rows(subset, "s"))
+    P = {"heldout_prompts": 4, "max_conversations": None}
     with pytest.raises(ValueError, match="exclude_stage1_from_stage2"):
-        check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", {"heldout_prompts": 4})
+        check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", P)
     io.write_jsonl(tmp_path / "qad.jsonl", rows(stage1, "s"))
-    check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", {"heldout_prompts": 4})
+    check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", P)

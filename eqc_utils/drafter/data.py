@@ -111,15 +111,13 @@ def split_heldout(rows: list[dict], heldout: int) -> tuple[list[dict], list[dict
             [row for i, row in enumerate(rows) if i in first])
 
 
-
-def heldout_seen_in_pretraining(pretrain_rows: list[dict], finetune_rows: list[dict], heldout: int) -> list[str]:
-    """Prompt ids that a fine-tuning run on `finetune_rows` holds out but a pre-training run on `pretrain_rows`
-    trained on. Empty when stage 2's prompts are disjoint from stage 1's, the same set or a superset of it (a
-    held-out prompt of the larger set that is in the smaller one has a smaller md5 rank there, so it is held out
-    there too); a strict subset or a partial overlap can leave some, and then the two-stage arm would be scored on
-    prompts its pre-training saw."""
-    pretrained_on = {str(prompt_id_of(r)) for r in split_heldout(pretrain_rows, heldout)[0]
-                     if prompt_id_of(r) is not None}
+def heldout_seen_in_pretraining(pretrained_rows: list[dict], finetune_rows: list[dict], heldout: int) -> list[str]:
+    """Prompt ids that a fine-tuning run on `finetune_rows` holds out but that a pre-training run trained on
+    (`pretrained_rows`: the rows it trained on). Empty when stage 2's prompts are disjoint from stage 1's, the same
+    set or a superset of it (a held-out prompt of the larger set that is in the smaller one has a smaller md5 rank
+    there, so it is held out there too); a strict subset or a partial overlap can leave some, and then the two-stage
+    arm would be scored on prompts its pre-training saw."""
+    pretrained_on = {str(prompt_id_of(r)) for r in pretrained_rows if prompt_id_of(r) is not None}
     measured_on = {str(prompt_id_of(r)) for r in split_heldout(finetune_rows, heldout)[1]
                    if prompt_id_of(r) is not None}
     return sorted(measured_on & pretrained_on)

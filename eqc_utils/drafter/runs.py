@@ -55,7 +55,7 @@ def train_run(name: str, target_dir: Path, data_path: Path, out_dir: Path, P: di
 def check_heldout_unseen(pretrain_data: Path, finetune_data: Path, P: dict) -> None:
     """Refuse, before any fine-tuning, a stage 2 whose held-out prompts were pre-training prompts of stage 1: the
     two-stage arm would be scored on prompts it has seen and would beat the direct arm for that reason alone."""
-    seen = heldout_seen_in_pretraining(io.read_jsonl(pretrain_data), io.read_jsonl(finetune_data),
+    seen = heldout_seen_in_pretraining(full_training_rows(pretrain_data, P), io.read_jsonl(finetune_data),
                                        P["heldout_prompts"])
     if seen:
         raise ValueError(
