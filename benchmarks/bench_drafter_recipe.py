@@ -33,7 +33,7 @@ from eqc_utils import assets, io  # noqa: E402
 from eqc_utils.devices import resolve_device  # noqa: E402
 from eqc_utils.drafter.data import build_examples, collate, split_heldout  # noqa: E402
 from eqc_utils.drafter.model import load_drafter  # noqa: E402
-from eqc_utils.drafter.runs import tau_of_drafter, train_run  # noqa: E402
+from eqc_utils.drafter.runs import tau_of_drafter, tau_per_checkpoint, train_run  # noqa: E402
 from eqc_utils.drafter.train import drafter_step, load_target  # noqa: E402
 from eqc_utils.generation.rows import prompt_id_of  # noqa: E402
 from eqc_utils.params import load_params, parse_override  # noqa: E402
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/_bench_drafter_recipe"),
                     help="scratch folder for the runs (resumable; delete to start over)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--tau-every", type=int, default=0,
+                    help="also save a checkpoint every this many steps and measure held-out tau on each (tau vs steps)")
     args = ap.parse_args()
     if not args.data.exists():
         sys.exit(f"--data {args.data}: no such file; run notebook 02 first (python run_all.py --only 02)")
@@ -96,7 +98,7 @@ def main() -> None:
     A = params["assets"]
     target_dir = assets.teacher_dir(A["teacher"], A["hub_allowed"])
     tokenizer = assets.load_tokenizer(A["tokenizer"], A["teacher"], A["hub_allowed"])
-    P = {**params["drafter"], "max_steps": args.steps, "epochs": 1000, "save_every": args.steps,
+    P = {**params["drafter"], "max_steps": args.steps, "epochs": 1000, "save_every": args.tau_every or args.steps,
          "log_every": max(1, args.steps // 24),
          "heldout_prompts": args.heldout, "compile": "off" if device == "cpu" else params["drafter"]["compile"]}
     result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -110,6 +112,7 @@ def main() -> None:
         run = train_run(name, target_dir, args.data, args.work / name, arm_P, tokenizer, device=device, seed=args.seed)
         seconds = time.time() - started
         report = tau_of_drafter(run.final, run, arm_P, tokenizer, device=device)
+        by_step = tau_per_checkpoint(run, arm_P, tokenizer, device=device) if args.tau_every else []
         losses = [row["loss"] for row in run.history]
         tail = losses[-max(1, len(losses) // 4):]
         result["runs"][name] = {"settings": changes, "train_seconds": round(seconds, 1),
@@ -118,6 +121,10 @@ def main() -> None:
                                 "heldout": heldout_objective(run.final, target_dir, args.data, arm_P, tokenizer, device),
                                 "heldout_tau": round(report["tau"], 4),
                                 "acceptance_per_position": [round(a, 4) for a in report["acceptance_per_position"]]}
+        if by_step:
+            result["runs"][name]["tau_by_step"] = {r["step"]: round(r["tau"], 4) for r in by_step}
+            result["runs"][name]["accept_pos1_by_step"] = {r["step"]: round(r["acceptance_per_position"][0], 4)
+                                                           for r in by_step}
         print(name, json.dumps({k: v for k, v in result["runs"][name].items() if k != "loss_by_step"}), flush=True)
     print("\n| arm | training loss (last quarter) | held-out loss | held-out accuracy | held-out tau |\n|---|---:|---:|---:|---:|")
     for name, r in result["runs"].items():
