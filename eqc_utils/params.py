@@ -182,9 +182,10 @@ SCHEMA: dict = {
                                            # decoder layers and final norm (same shapes required)
         "num_anchors": int,                # blocks per sequence (paper 512)
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
-        "labels": OneOf("data", "target_greedy"),  # what a block slot learns: the answer's token (DFlash) or
-                                           # the target's greedy token after the answer's prefix (what greedy
-                                           # verification accepts)
+        "labels": OneOf("data", "target_greedy", "target_soft"),  # what a block slot learns: the answer's token
+                                           # (DFlash), the target's greedy token after the answer's prefix (what
+                                           # greedy verification accepts) or its whole distribution there
+                                           # (soft cross-entropy, as EAGLE's drafters learn)
         "max_length": int,                 # tokens per training conversation (paper 3072)
         "max_conversations": Opt(int),     # cap on training conversations; null = the whole file
         "curve_conversations": ListOf(int),  # 06: extra pre-training runs on the first N conversations (learning curve)

@@ -108,6 +108,38 @@ def test_fused_head_loss_equals_autograd_loss_and_gradient(chunk):
     assert fused_grad[weights == 0].abs().max() == 0          # unscored positions get no gradient
 
 
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_soft_labels_fused_equals_autograd_and_is_smallest_at_the_teachers_distribution(chunk):
+    """Soft labels (drafter.labels target_soft): the label is softmax(head(teacher state)). Fused and plain agree
+    in value, gradient and argmax agreement; the loss is the teacher's entropy, and the gradient zero, exactly where
+    the drafter's state gives the teacher's logits."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    labels = torch.randint(0, 50, (3, 12))           # ignored with soft labels
+    weights = torch.rand(3, 12) * (torch.rand(3, 12) > 0.3)
+    teacher = torch.randn(3, 12, 16) * 2
+    hidden = torch.randn(3, 12, 16, requires_grad=True)
+    plain, plain_stats = weighted_loss(hidden, head, labels, weights, teacher_hidden=teacher)
+    (plain_grad,) = torch.autograd.grad(plain, hidden)
+    fused, fused_stats = fused_head_loss(hidden, head, labels, weights, chunk=chunk, teacher_hidden=teacher)
+    (fused_grad,) = torch.autograd.grad(fused, hidden)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)
+    keep = weights > 0
+    agree = (head(hidden[keep]).argmax(-1) == head(teacher[keep]).argmax(-1)).float().mean()
+    assert float(fused_stats["accuracy"]) == float(plain_stats["accuracy"]) == float(agree)
+    assert float(plain) != float(weighted_loss(hidden.detach(), head, labels, weights)[0])   # not the hard-label loss
+
+    at_teacher = teacher.clone().requires_grad_(True)
+    loss, stats = fused_head_loss(at_teacher, head, labels, weights, chunk=chunk, teacher_hidden=teacher)
+    (grad,) = torch.autograd.grad(loss, at_teacher)
+    p = torch.softmax(head(teacher[keep]), -1)
+    entropy = -(p * p.log()).sum(-1)
+    torch.testing.assert_close(loss, (entropy * weights[keep]).sum() / weights[keep].sum(), rtol=1e-5, atol=1e-5)
+    assert grad.abs().max() < 1e-5 and float(stats["accuracy"]) == 1.0
+    assert float(loss) < float(fused)
+
+
 def test_fused_head_loss_refuses_a_trainable_head():
     head = torch.nn.Linear(4, 10, bias=False)
     with pytest.raises(ValueError, match="fused_loss"):

@@ -378,3 +378,36 @@ def test_heldout_prompts_of_stage_two_must_be_unseen_by_pretraining(tmp_path):
         check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", P)
     io.write_jsonl(tmp_path / "qad.jsonl", rows(stage1, "s"))
     check_heldout_unseen(tmp_path / "teacher.jsonl", tmp_path / "qad.jsonl", P)
+
+
+def test_soft_labels_score_agreement_with_the_targets_greedy_token(chain_target_dir, tokenizer, corpus):
+    """drafter.labels target_soft learns the target's whole distribution after each prefix: its accuracy is argmax
+    agreement with the target, the same count as target_greedy's on the same step (same anchors, same drafter),
+    while the loss is a different one. A few soft-label steps on the batch make the drafter agree somewhere."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.train import drafter_step, new_drafter
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    P = tiny_params()
+    batch = collate(build_examples(corpus[1][:2], tokenizer, P["max_length"], 16, where="test"), "cpu")
+    torch.manual_seed(0)
+    drafter = new_drafter(P, target, tokenizer, None)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    first = None
+    for i in range(25):
+        loss, _ = drafter_step(drafter, target, batch, {**P, "labels": "target_soft"}, torch.Generator().manual_seed(i))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        first = first or float(loss)
+
+    def step(labels, fused):
+        loss, stats = drafter_step(drafter, target, batch, {**P, "labels": labels, "fused_loss": fused},
+                                   torch.Generator().manual_seed(99))
+        return float(loss.detach()), float(stats["accuracy"]), stats["scored"]
+
+    soft, greedy = step("target_soft", False), step("target_greedy", False)
+    assert soft[0] < first, "soft-label steps should lower the soft-label loss"
+    assert soft[1:] == greedy[1:] and 0 < soft[1] < 1
+    assert soft[0] != greedy[0]
+    fused = step("target_soft", True)
+    assert fused[1:] == soft[1:] and abs(fused[0] - soft[0]) < 1e-4   # nats; chunked sums in another order

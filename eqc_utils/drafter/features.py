@@ -99,6 +99,17 @@ def context_features_and_greedy(target: nn.Module, input_ids: torch.Tensor, atte
     return _concatenated(out), greedy
 
 
+@torch.no_grad()
+def context_features_and_last(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                              layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context_features, last): the same features from one full forward of the target, and its last hidden
+    state [B, S, H] after the final norm, what the LM head reads: last[:, p] gives the target's distribution of the
+    token at p + 1. The head itself is left to the loss, which applies it chunk by chunk."""
+    with capture_layers(target, layer_ids) as out:
+        last = _decoder(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return _concatenated(out), last
+
+
 def _concatenated(out: list[torch.Tensor]) -> torch.Tensor:
     if not out:
         raise RuntimeError("the target forward finished without passing the chosen layers; check target_layer_ids")

@@ -61,10 +61,13 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
                   valid: torch.Tensor, block_size: int, mask_token_id: int, gamma: float,
-                  label_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  label_ids: torch.Tensor | None = None,
+                  target_last: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Block token ids, their positions, labels and loss weights, each [B, N*block_size]. Labels come from
     `label_ids` when given (e.g. the target's greedy tokens, [B, S] like input_ids); the anchor is always the
-    data token."""
+    data token. With `target_last` (the target's final hidden states, [B, S, H]) the result also holds
+    `teacher_hidden` [B, N*block_size, H]: for the slot at position p the target's state at p - 1, whose head
+    output is the target's distribution of the token at p (soft labels)."""
     batch, n = anchors.shape
     offsets = torch.arange(block_size, device=anchors.device)
     positions = anchors[:, :, None] + offsets                          # [B, N, block]
@@ -76,26 +79,39 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = torch.where(valid, tokens[:, :, 0], torch.full_like(tokens[:, :, 0], mask_token_id))
     weights = decay_weights(block_size, gamma, anchors.device)[None, None, :] * (valid[:, :, None] & inside & scored)
-    return {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
-            "labels": labels.flatten(1), "weights": weights.flatten(1)}
+    out = {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
+           "labels": labels.flatten(1), "weights": weights.flatten(1)}
+    if target_last is not None:   # slot 0 (never scored) would read p - 1 = anchor - 1 >= 0: clamped anyway
+        before = (safe - 1).clamp(min=0).flatten(1)
+        out["teacher_hidden"] = torch.gather(target_last, 1, before[:, :, None].expand(-1, -1, target_last.shape[-1]))
+    return out
 
 
 def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor,
-                  chunk: int = 4096) -> tuple[torch.Tensor, dict]:
+                  chunk: int = 4096, teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted hard-label cross-entropy through the target's LM head, computed only at positions with
     a non-zero weight (slot 0, disabled blocks and prompt tokens never reach the full-vocabulary head).
+    With `teacher_hidden` (`block_targets`' soft labels) the label is the target's whole distribution there,
+    softmax(head(teacher_hidden)), and accuracy counts agreement with its argmax (what greedy verification accepts).
     Returns (loss, stats) with stats = accuracy over scored positions (a 0-dim tensor on the hidden states'
     device, NaN where nothing is scored) and the number scored."""
     keep = weights > 0
     h, y, w = hidden[keep], labels[keep], weights[keep]
+    t = teacher_hidden[keep] if teacher_hidden is not None else None
     if h.shape[0] == 0:
         zero = hidden.sum() * 0.0
         return zero, {"accuracy": torch.full((), math.nan, device=hidden.device), "scored": 0}
     losses, correct = [], 0
     for start in range(0, h.shape[0], chunk):
         logits = head(h[start:start + chunk])
-        losses.append(F.cross_entropy(logits.float(), y[start:start + chunk], reduction="none"))
-        correct = correct + (logits.argmax(-1) == y[start:start + chunk]).sum()
+        if t is None:
+            target = y[start:start + chunk]
+        else:
+            with torch.no_grad():
+                teacher_logits = head(t[start:start + chunk]).float()
+            target, y_part = torch.softmax(teacher_logits, -1), teacher_logits.argmax(-1)
+        losses.append(F.cross_entropy(logits.float(), target, reduction="none"))
+        correct = correct + (logits.argmax(-1) == (y[start:start + chunk] if t is None else y_part)).sum()
     loss = (torch.cat(losses) * w).sum() / (w.sum() + 1e-6)
     # accuracy stays a device scalar: reading it here would make the CPU wait for the GPU every step
     return loss, {"accuracy": correct.float() / h.shape[0], "scored": int(h.shape[0])}
@@ -115,16 +131,30 @@ def _head_ce_chunk(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Ten
     return ce_sum, correct, grad_logits.to(h.dtype) @ head_weight.to(h.dtype)
 
 
-_compiled_chunk = None
+def _head_soft_ce_chunk(h: torch.Tensor, head_weight: torch.Tensor, teacher_h: torch.Tensor, weights: torch.Tensor,
+                        total: torch.Tensor):
+    """`_head_ce_chunk` with soft labels: p = softmax(teacher_h @ head^T), CE = lse - sum(p * logits), whose
+    gradient for the logits is softmax(logits) - p; correct counts argmax agreement with p."""
+    logits = (h @ head_weight.t()).float()
+    teacher = (teacher_h @ head_weight.t()).float()
+    p = torch.softmax(teacher, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    ce_sum = ((lse - (p * logits).sum(-1)) * weights).sum()
+    correct = (logits.argmax(-1) == teacher.argmax(-1)).sum()
+    grad_logits = (torch.exp(logits - lse[:, None]) - p) * (weights / total)[:, None]
+    return ce_sum, correct, grad_logits.to(h.dtype) @ head_weight.to(h.dtype)
 
 
-def _chunk_fn(compiled: bool):
-    global _compiled_chunk
+_compiled_chunks: dict = {}
+
+
+def _chunk_fn(compiled: bool, soft: bool = False):
+    fn = _head_soft_ce_chunk if soft else _head_ce_chunk
     if not compiled:
-        return _head_ce_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_head_ce_chunk, dynamic=True)
-    return _compiled_chunk
+        return fn
+    if fn not in _compiled_chunks:
+        _compiled_chunks[fn] = torch.compile(fn, dynamic=True)
+    return _compiled_chunks[fn]
 
 
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
@@ -134,7 +164,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(hidden)
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-        step = _chunk_fn(compiled)
+        step = _chunk_fn(compiled, soft=labels.is_floating_point())   # soft: `labels` are the teacher's states
         for start in range(0, hidden.shape[0], chunk):
             piece = slice(start, start + chunk)
             part_sum, part_correct, grad[piece] = step(hidden[piece], head_weight, labels[piece],
@@ -152,15 +182,18 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
 
 
 def fused_head_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor,
-                    chunk: int = 8192, compiled: bool = False) -> tuple[torch.Tensor, dict]:
+                    chunk: int = 8192, compiled: bool = False,
+                    teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """`weighted_loss` (same value, same gradient for `hidden`) for a frozen, bias-free head, with the
     gradient computed during the forward pass chunk by chunk: memory holds one chunk's logits at a time.
-    `compiled` runs each chunk through torch.compile (fuses the softmax / cross-entropy elementwise work)."""
+    `compiled` runs each chunk through torch.compile (fuses the softmax / cross-entropy elementwise work).
+    `teacher_hidden`: soft labels, as in `weighted_loss`."""
     if getattr(head, "bias", None) is not None or head.weight.requires_grad:
         raise ValueError("fused_head_loss needs a frozen, bias-free output head (the target's LM head); "
                          "set drafter.fused_loss: false for this target")
     keep = weights > 0
-    h, y, w = hidden[keep], labels[keep], weights[keep]
+    h, w = hidden[keep], weights[keep]
+    y = labels[keep] if teacher_hidden is None else teacher_hidden[keep].to(hidden.dtype)
     if h.shape[0] == 0:
         return hidden.sum() * 0.0, {"accuracy": torch.full((), math.nan, device=hidden.device), "scored": 0}
     loss, correct = _FrozenHeadCrossEntropy.apply(h, head.weight, y, w, chunk, compiled)

@@ -39,7 +39,8 @@ from eqc_utils.params import params_digest
 from eqc_utils.training import (CheckpointDir, JsonlLog, ResumePlan, apply_schedule, estimated_bytes, plan_resume,
                                 warmup_cosine)
 from eqc_utils.drafter.data import build_examples, collate, epoch_batches, padded_width
-from eqc_utils.drafter.features import (context_features, context_features_and_greedy, decoder_layers, final_norm,
+from eqc_utils.drafter.features import (context_features, context_features_and_greedy, context_features_and_last,
+                                        decoder_layers, final_norm,
                                         freeze, input_embedding, output_head)
 from eqc_utils.drafter.mask import build_block_mask
 from eqc_utils.drafter.model import (DFlashDrafter, drafter_config_for, load_drafter, pick_mask_token_id,
@@ -139,16 +140,19 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     compilation do not change which anchors a batch gets."""
     cfg = unwrap(drafter).config
     lengths = batch["attention_mask"].sum(1)
-    label_ids = None
+    label_ids = target_last = None
     if P["labels"] == "target_greedy":      # the tokens greedy verification accepts, not the sampled answer's
         features, label_ids = context_features_and_greedy(target, batch["input_ids"], batch["attention_mask"],
+                                                          cfg.target_layer_ids)
+    elif P["labels"] == "target_soft":      # the target's whole next-token distribution at each slot
+        features, target_last = context_features_and_last(target, batch["input_ids"], batch["attention_mask"],
                                                           cfg.target_layer_ids)
     else:
         features = context_features(target, batch["input_ids"], batch["attention_mask"], cfg.target_layer_ids)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, cfg.block_size, P["num_anchors"], generator,
                                     fixed_count=compiled, key_width=P["max_length"])
     blocks = block_targets(batch["input_ids"], batch["loss_mask"], lengths, anchors, valid, cfg.block_size,
-                           cfg.mask_token_id, P["loss_decay_gamma"], label_ids)
+                           cfg.mask_token_id, P["loss_decay_gamma"], label_ids, target_last)
     context_len = batch["input_ids"].shape[1]
     mask = build_block_mask(anchors, valid, context_len, cfg.block_size, P["attention"])
     with torch.no_grad():
@@ -158,8 +162,9 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     hidden = drafter(block_embeds, features, positions, mask=mask)
     if P.get("fused_loss"):
         return fused_head_loss(hidden, output_head(target), blocks["labels"], blocks["weights"],
-                               compiled=compiled)
-    return weighted_loss(hidden, output_head(target), blocks["labels"], blocks["weights"])
+                               compiled=compiled, teacher_hidden=blocks.get("teacher_hidden"))
+    return weighted_loss(hidden, output_head(target), blocks["labels"], blocks["weights"],
+                         teacher_hidden=blocks.get("teacher_hidden"))
 
 
 def trajectory_settings(run: TrainRun, P: dict, rows: list[dict], seed: int, num_examples: int,
