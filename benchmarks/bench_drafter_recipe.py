@@ -41,7 +41,9 @@ from eqc_utils.params import load_params, parse_override  # noqa: E402
 
 @torch.no_grad()
 def heldout_objective(drafter_dir: Path, target_dir: Path, data: Path, P: dict, tokenizer, device: str) -> dict:
-    """Teacher-forced block loss and accuracy on every conversation of the held-out prompts (fixed anchors)."""
+    """Teacher-forced block loss and accuracy against the answers' tokens on every conversation of the held-out
+    prompts (fixed anchors), whatever labels the arm trained on, and agreement with the target's greedy token there
+    (what greedy verification accepts)."""
     rows = io.read_jsonl(data)
     _, heldout = split_heldout(rows, P["heldout_prompts"])
     chosen = {prompt_id_of(r) for r in heldout}
@@ -49,16 +51,20 @@ def heldout_objective(drafter_dir: Path, target_dir: Path, data: Path, P: dict, 
                               2 * P["block_size"])
     target = load_target(target_dir, device, "fp32")
     drafter = load_drafter(drafter_dir, device).eval()
-    loss = correct = scored = 0.0
+    loss = correct = agree = scored = 0.0
     for start in range(0, len(examples), 4):
         batch = collate(examples[start:start + 4], device)
-        step_loss, stats = drafter_step(drafter, target, batch, {**P, "fused_loss": False},
+        step_loss, stats = drafter_step(drafter, target, batch, {**P, "fused_loss": False, "labels": "data"},
                                         torch.Generator().manual_seed(start))
+        _, greedy = drafter_step(drafter, target, batch, {**P, "fused_loss": False, "labels": "target_greedy"},
+                                 torch.Generator().manual_seed(start))
         if stats["scored"]:
             loss += float(step_loss) * stats["scored"]
             correct += float(stats["accuracy"]) * stats["scored"]
+            agree += float(greedy["accuracy"]) * stats["scored"]
             scored += stats["scored"]
-    return {"conversations": len(examples), "loss": round(loss / scored, 4), "accuracy": round(correct / scored, 4)}
+    return {"conversations": len(examples), "loss": round(loss / scored, 4), "accuracy": round(correct / scored, 4),
+            "greedy_agreement": round(agree / scored, 4)}
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -126,10 +132,11 @@ def main() -> None:
             result["runs"][name]["accept_pos1_by_step"] = {r["step"]: round(r["acceptance_per_position"][0], 4)
                                                            for r in by_step}
         print(name, json.dumps({k: v for k, v in result["runs"][name].items() if k != "loss_by_step"}), flush=True)
-    print("\n| arm | training loss (last quarter) | held-out loss | held-out accuracy | held-out tau |\n|---|---:|---:|---:|---:|")
+    print("\n| arm | training loss (last quarter) | held-out loss | held-out accuracy | greedy agreement | held-out tau |"
+          "\n|---|---:|---:|---:|---:|---:|")
     for name, r in result["runs"].items():
         print(f"| {name} | {r['loss_last_quarter']:.3f} | {r['heldout']['loss']:.3f} | {r['heldout']['accuracy']:.3f} "
-              f"| {r['heldout_tau']:.3f} |")
+              f"| {r['heldout']['greedy_agreement']:.3f} | {r['heldout_tau']:.3f} |")
     out = args.out or Path(__file__).resolve().parent / "results" / f"drafter_recipe_{device.split(':')[0]}.json"
     io.write_json(out, result)
     print(f"wrote {out}")
