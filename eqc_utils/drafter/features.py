@@ -84,22 +84,6 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, attention_mask:
 
 
 @torch.no_grad()
-def context_features_and_greedy(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                                layer_ids: list[int], chunk_positions: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(context_features, greedy): the same features from one full forward of the target, and greedy [B, S]: at
-    position p the target's argmax token after positions < p (greedy[:, 0] = input_ids[:, 0]), the token that
-    greedy verification accepts there. The LM head runs over `chunk_positions` positions at a time, so the
-    [B, S, vocab] logits never exist at once."""
-    with capture_layers(target, layer_ids) as out:
-        last = _decoder(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    head = output_head(target)
-    flat = last[:, :-1].reshape(-1, last.shape[-1])
-    picks = torch.cat([head(flat[i:i + chunk_positions]).argmax(-1) for i in range(0, flat.shape[0], chunk_positions)])
-    greedy = torch.cat([input_ids[:, :1], picks.view(input_ids.shape[0], -1)], dim=1)
-    return _concatenated(out), greedy
-
-
-@torch.no_grad()
 def context_features_and_last(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                               layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(context_features, last): the same features from one full forward of the target, and its last hidden
@@ -108,6 +92,21 @@ def context_features_and_last(target: nn.Module, input_ids: torch.Tensor, attent
     with capture_layers(target, layer_ids) as out:
         last = _decoder(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return _concatenated(out), last
+
+
+@torch.no_grad()
+def context_features_and_greedy(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                                layer_ids: list[int], chunk_positions: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context_features, greedy): the same features from one full forward of the target, and greedy [B, S]: at
+    position p the target's argmax token after positions < p (greedy[:, 0] = input_ids[:, 0]), the token that
+    greedy verification accepts there. The LM head runs over `chunk_positions` positions at a time, so the
+    [B, S, vocab] logits never exist at once."""
+    features, last = context_features_and_last(target, input_ids, attention_mask, layer_ids)
+    head = output_head(target)
+    flat = last[:, :-1].reshape(-1, last.shape[-1])
+    picks = torch.cat([head(flat[i:i + chunk_positions]).argmax(-1) for i in range(0, flat.shape[0], chunk_positions)])
+    greedy = torch.cat([input_ids[:, :1], picks.view(input_ids.shape[0], -1)], dim=1)
+    return features, greedy
 
 
 def _concatenated(out: list[torch.Tensor]) -> torch.Tensor:

@@ -105,13 +105,13 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     for start in range(0, h.shape[0], chunk):
         logits = head(h[start:start + chunk])
         if t is None:
-            target = y[start:start + chunk]
+            target = answer = y[start:start + chunk]
         else:
             with torch.no_grad():
                 teacher_logits = head(t[start:start + chunk]).float()
-            target, y_part = torch.softmax(teacher_logits, -1), teacher_logits.argmax(-1)
+            target, answer = torch.softmax(teacher_logits, -1), teacher_logits.argmax(-1)
         losses.append(F.cross_entropy(logits.float(), target, reduction="none"))
-        correct = correct + (logits.argmax(-1) == (y[start:start + chunk] if t is None else y_part)).sum()
+        correct = correct + (logits.argmax(-1) == answer).sum()
     loss = (torch.cat(losses) * w).sum() / (w.sum() + 1e-6)
     # accuracy stays a device scalar: reading it here would make the CPU wait for the GPU every step
     return loss, {"accuracy": correct.float() / h.shape[0], "scored": int(h.shape[0])}
