@@ -4,6 +4,8 @@
 
 Sections (each prints a markdown table with medians and the ratio to the hardware ceiling measured first):
   ceiling  device-to-device copy bandwidth and a bf16 8192^3 GEMM on this GPU
+  gdn      the Gated-DeltaNet kernel alone, forward + backward at seq --qad-seq: flash-linear-attention against
+           transformers' pure-PyTorch fallback (agreement with a float32 reference, ms per layer call, memory)
   qad      one QAD optimiser step (eqc_utils.quant: modelopt INT4 g32 grid on the 200 paper modules, pinned
            _amax, chunked per-token KL to a frozen teacher, gradient checkpointing, bf16, AdamW) at seq
            4096 / 8192 / 16384, micro-batch 1: step time, tokens/s, peak memory, model-FLOP utilisation;
@@ -150,6 +152,67 @@ def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeat
     return rows
 
 
+# ------------------------------------------------------------------ Gated DeltaNet kernel
+
+def gdn_inputs(seq: int, dtype, seed: int = 0) -> list[torch.Tensor]:
+    """One layer's linear-attention inputs at Qwen3.5-4B's shape (16 key heads, 32 value heads of 128), batch 1,
+    with the model's own ranges: decay g <= 0 (log space), beta in (0, 1); q, k are l2-normalised in the kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hk, hv, d = QWEN35_4B["linear_num_key_heads"], QWEN35_4B["linear_num_value_heads"], QWEN35_4B["linear_key_head_dim"]
+    q = torch.randn(1, seq, hk, d, device="cuda", generator=gen)
+    k = torch.randn(1, seq, hk, d, device="cuda", generator=gen)
+    v = torch.randn(1, seq, hv, d, device="cuda", generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(1, seq, hv, device="cuda", generator=gen)) * 0.5
+    beta = torch.rand(1, seq, hv, device="cuda", generator=gen)
+    q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
+    # the model computes the decay in float32 whatever its dtype
+    return [x.to(torch.float32 if x is g else dtype).requires_grad_(True) for x in (q, k, v, g, beta)]
+
+
+def gdn_fwd_bwd(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor):
+    for x in inputs:
+        x.grad = None
+    out, _ = fn(*inputs, use_qk_l2norm_in_kernel=True)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [x.grad.detach() for x in inputs]
+
+
+def bench_gdn(seq_lens: list[int], repeats: int) -> list[dict]:
+    """fla's chunked Gated-DeltaNet forward + backward (the one the QAD step needs; on Hopper with Triton < 3.7.1 fla
+    routes its gated backward through tilelang) against transformers' pure-PyTorch fallback: agreement with a float32
+    fallback reference at the shortest length, then time per layer call. Keys repeated to the value heads, as
+    Qwen3.5's layer does before the kernel."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    fallback = getattr(modeling_qwen3_5.torch_chunk_gated_delta_rule, "__wrapped__",
+                       modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    rows = []
+    for seq in seq_lens:
+        row = {"seq": seq}
+        inputs = gdn_inputs(seq, torch.bfloat16)
+        grad_out = torch.randn(inputs[2].shape, device="cuda")
+        if seq == min(seq_lens):  # correctness: fla bf16 and fallback bf16, each against the fallback in float32
+            ref_out, ref_grads = gdn_fwd_bwd(fallback, gdn_inputs(seq, torch.float32), grad_out)
+            for name, fn in (("fla", chunk_gated_delta_rule), ("torch", fallback)):
+                out, grads = gdn_fwd_bwd(fn, inputs, grad_out)
+                rel = [((a.float() - b).norm() / b.norm()).item() for a, b in zip([out, *grads], [ref_out, *ref_grads])]
+                row[f"{name}_rel_err_out"] = rel[0]
+                row[f"{name}_rel_err_grad_max"] = max(rel[1:])
+        for name, fn in (("fla", chunk_gated_delta_rule), ("torch", fallback)):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                row[f"{name}_ms"] = 1e3 * statistics.median(cuda_time(lambda: gdn_fwd_bwd(fn, inputs, grad_out),
+                                                                      repeats, warmup=1))
+            except torch.OutOfMemoryError:
+                row[f"{name}_ms"] = float("nan")
+            row[f"{name}_peak_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        row["fla_speedup"] = row["torch_ms"] / row["fla_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------ drafter training step
 
 def paper_drafter_config(target, block: int = 16, sliding_window: int | None = None):
@@ -259,7 +322,7 @@ def bench_decode(contexts: list[int], bandwidth_tbps: float, repeats: int) -> li
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="ceiling,qad,drafter,decode")
+    ap.add_argument("--only", default="ceiling,gdn,qad,drafter,decode")
     ap.add_argument("--qad-seq", default="4096,8192,16384")
     ap.add_argument("--drafter-seq", default="1024,2048,3072")
     ap.add_argument("--drafter-batch", type=int, default=2)
@@ -290,6 +353,7 @@ def main() -> int:
     results["ceiling"] = ceiling
     print(table("ceilings", [ceiling]), flush=True)
     sections = {
+        "gdn": lambda: bench_gdn([int(x) for x in args.qad_seq.split(",")], args.repeats),
         "qad": lambda: bench_qad([int(x) for x in args.qad_seq.split(",")], ceiling["bf16_gemm_TFLOPs"],
                                  args.kl_chunk, args.repeats),
         "drafter": lambda: bench_drafter([int(x) for x in args.drafter_seq.split(",")],
