@@ -36,7 +36,7 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$bundle/wheels" nvidia-mod
   flash-linear-attention fla-core
 if (( tilelang )); then
   # the node's torch, numpy, psutil, tqdm and typing-extensions serve tilelang; the rest comes along
-  python3 -m pip download -q --no-deps "${plat[@]}" -d "$bundle/wheels" tilelang==0.1.9 "apache-tvm-ffi~=0.1.2" \
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$bundle/wheels" tilelang==0.1.9 "apache-tvm-ffi>=0.1.10,<0.1.12" \
     torch-c-dlpack-ext "z3-solver>=4.13,<4.15.5" "ml-dtypes>=0.5.1" cloudpickle
 fi
 # papermill + nbconvert + ipykernel with their dependencies, minus what GPU images already carry

