@@ -289,7 +289,8 @@ def test_the_run_ends_with_the_servers_log_once_every_server_has_exited(model, t
         with pytest.raises(ServerStartError, match="exited with code -9 while serving") as err:
             generate(prompts, out, servers.base_urls, gen_params(max_retries=3), check_servers=servers.check_running)
     assert "last lines" in str(err.value) and time.monotonic() - started < 30
-    assert len(read_rows(failures_path(out))) < 40 if failures_path(out).exists() else True
+    failed = read_rows(failures_path(out)) if failures_path(out).exists() else []
+    assert len(failed) < 40, "the run should stop, not record every request as failed"
 
 
 # ---------------------------------------------------------------- transformers backend
