@@ -53,10 +53,14 @@ def cuda_time(fn, repeats: int, warmup: int = 1) -> list[float]:
 def table(title: str, rows: list[dict]) -> str:
     if not rows:
         return f"\n### {title}\n(no rows)\n"
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # rows may differ (gdn: agreement only at the first length)
+
+    def cell(value) -> str:
+        return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
     lines = [f"\n### {title}", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join(cell(r.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
