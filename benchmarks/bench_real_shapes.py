@@ -9,7 +9,8 @@ Sections (each prints a markdown table with medians and the ratio to the hardwar
   qad      one QAD optimiser step (eqc_utils.quant: modelopt INT4 g32 grid on the 200 paper modules, pinned
            _amax, chunked per-token KL to a frozen teacher, gradient checkpointing, bf16, AdamW) at seq
            4096 / 8192 / 16384, micro-batch 1: step time, tokens/s, peak memory, model-FLOP utilisation;
-           plus the full-logits KL at the same lengths to show what chunking saves
+           plus the full-logits KL at the shortest length to show what chunking saves; --qad-profile adds the
+           operators that take the longest step's GPU time
   drafter  one DFlash training step (eqc_utils.drafter: 5 layers, block 16, 512 anchors, flex_attention,
            target features captured online) vs sequence length: tokens/s and peak memory
   decode   the reference decoder's pieces: a 1-token and a 16-token target verify step with a KV/recurrent
@@ -53,7 +54,8 @@ def cuda_time(fn, repeats: int, warmup: int = 1) -> list[float]:
 def table(title: str, rows: list[dict]) -> str:
     if not rows:
         return f"\n### {title}\n(no rows)\n"
-    keys = list(dict.fromkeys(k for r in rows for k in r))  # rows may differ (gdn: agreement only at the first length)
+    # rows may differ (gdn: agreement only at the first length); nested results (top_ops) stay in the JSON only
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (list, dict))))
 
     def cell(value) -> str:
         return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -96,7 +98,28 @@ def param_count(model) -> int:
 
 # ------------------------------------------------------------------ QAD step
 
-def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeats: int) -> list[dict]:
+def top_ops(step, n: int = 20) -> list[dict]:
+    """One call of step() under torch.profiler: the n operators with the most self device time (CPU time without
+    CUDA), each with its share of the total, so a slow step says where its time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    on_device = torch.cuda.is_available()
+    events = [e for e in prof.key_averages()
+              if (e.self_device_time_total if on_device else e.self_cpu_time_total) > 0]
+    own = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events) or 1.0
+    events.sort(key=own, reverse=True)
+    return [{"op": e.key[:80], "calls": e.count, "self_ms": own(e) / 1e3, "share": own(e) / total}
+            for e in events[:n]]
+
+
+def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeats: int,
+              profile_ops: bool = False) -> list[dict]:
     from eqc_utils.params import load_params
     from eqc_utils.quant import grid, kl
 
@@ -146,6 +169,10 @@ def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeat
                 rows.append({"seq": seq, "kl": mode, "step_s": s, "tokens_per_s": seq / s,
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30,
                              "MFU": flops / s / (peak_tflops * 1e12)})
+                if profile_ops and seq == max(seq_lens) and mode == "chunked":
+                    ops = top_ops(step)
+                    print(table(f"qad step at seq {seq}: operators by own GPU time", ops), flush=True)
+                    rows[-1]["top_ops"] = ops
             except torch.OutOfMemoryError:
                 rows.append({"seq": seq, "kl": mode, "step_s": float("nan"), "tokens_per_s": float("nan"),
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "MFU": float("nan")})
@@ -333,6 +360,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--kl-chunk", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--qad-profile", action="store_true",
+                    help="profile one QAD step at the longest --qad-seq: operators by own GPU time (top_ops in JSON)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -359,7 +388,7 @@ def main() -> int:
     sections = {
         "gdn": lambda: bench_gdn([int(x) for x in args.qad_seq.split(",")], args.repeats),
         "qad": lambda: bench_qad([int(x) for x in args.qad_seq.split(",")], ceiling["bf16_gemm_TFLOPs"],
-                                 args.kl_chunk, args.repeats),
+                                 args.kl_chunk, args.repeats, args.qad_profile),
         "drafter": lambda: bench_drafter([int(x) for x in args.drafter_seq.split(",")],
                                          ceiling["bf16_gemm_TFLOPs"], args.repeats, args.drafter_batch),
         "decode": lambda: bench_decode([int(x) for x in args.contexts.split(",")], ceiling["copy_TBps"],
