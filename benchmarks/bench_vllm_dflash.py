@@ -6,7 +6,8 @@
 Servers in turn through the project's launcher (target alone, then target + drafter with
 num_speculative_tokens = block - 1 for each of --blocks, default the drafter's own block size), greedy, requests sent
 one at a time (batch 1, the paper's latency setting) after one untimed warm-up request per server. Prints
-per-request latency (median), decode tokens/s, the speed-up, vLLM's mean acceptance length (1 + accepted / drafts,
+per-request latency (median), decode tokens/s, the speed-up (decode tokens/s ratio over all prompts; also each
+prompt's own per-token ratio, median and range), vLLM's mean acceptance length (1 + accepted / drafts,
 from /metrics) and how many outputs are the same as plain decoding's: identical token ids, or a divergence where
 plain decoding was nearly tied (top-2 log-prob margin below --near-tie-margin nats at the first differing token;
 `eqc_utils.compare`).
@@ -78,6 +79,15 @@ def summarize(run: dict) -> dict:
             "seconds_per_request": list(run["seconds"]), "tokens_per_request": list(run["completion_tokens"])}
 
 
+def per_request_speedups(plain: dict, spec: dict) -> list[float]:
+    """Per prompt, plain seconds per token over speculative seconds per token. Prompts whose answers stop early cost
+    a fraction of a long one, so a median over latencies of mixed lengths compares unlike requests; per-token
+    ratios per prompt do not."""
+    return [(ps / pt) / (ss / st) for ps, pt, ss, st in zip(plain["seconds_per_request"], plain["tokens_per_request"],
+                                                            spec["seconds_per_request"], spec["tokens_per_request"])
+            if pt and st]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2", help="teacher spec or a model folder vLLM loads (e.g. a ct pack)")
@@ -134,14 +144,20 @@ def main() -> None:
         step_cost = p["tokens_per_s"] / s["tokens_per_s"] * mal if mal else None
         same = compare_runs(prompts, plain["runs"], spec["runs"], args.near_tie_margin,
                             names=("plain", "speculative"))
+        # the speed-up is the ratio of decode throughput over all prompts (the same tokens where outputs agree), and
+        # next to it the median over prompts of each prompt's own per-token speed-up
+        speedup = s["tokens_per_s"] / p["tokens_per_s"]
+        per_request = per_request_speedups(p, s)
         rows += [(f"block {block}: median latency (s)", f"{s['median_latency_s']:.2f}"),
                  (f"block {block}: tokens/s", f"{s['tokens_per_s']:.1f}"),
-                 (f"block {block}: speed-up (latency ratio)", f"{p['median_latency_s'] / s['median_latency_s']:.2f}x"),
+                 (f"block {block}: speed-up (tokens/s ratio)", f"{speedup:.2f}x"),
+                 (f"block {block}: speed-up per prompt (median, min-max)",
+                  f"{statistics.median(per_request):.2f}x ({min(per_request):.2f}-{max(per_request):.2f})"),
                  (f"block {block}: vLLM mean acceptance length", f"{mal:.3f}" if mal else "n/a"),
                  (f"block {block}: step cost in plain tokens (break-even tau)", f"{step_cost:.2f}"
                   if step_cost else "n/a"),
                  (f"block {block}: same output (near-ties allowed)", same["tally"])]
-        results[str(block)] = {"speculative": s, "speedup": p["median_latency_s"] / s["median_latency_s"],
+        results[str(block)] = {"speculative": s, "speedup": speedup, "speedup_per_request": per_request,
                                "identical": same["identical"], "near_tie": same["near_tie"],
                                "mismatch": same["mismatch"], "summary": same["summary"],
                                "mean_acceptance_length": mal, "step_cost_plain_tokens": step_cost,
