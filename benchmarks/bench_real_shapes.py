@@ -103,15 +103,16 @@ def top_ops(step, n: int = 20) -> list[dict]:
     CUDA), each with its share of the total, so a slow step says where its time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
     on_device = torch.cuda.is_available()
-    events = [e for e in prof.key_averages()
-              if (e.self_device_time_total if on_device else e.self_cpu_time_total) > 0]
-    own = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])) as prof:
+        step()
+        if on_device:
+            torch.cuda.synchronize()
+
+    def own(event) -> float:  # microseconds spent in the operator itself, not in what it calls
+        return event.self_device_time_total if on_device else event.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own(e) > 0]
     total = sum(own(e) for e in events) or 1.0
     events.sort(key=own, reverse=True)
     return [{"op": e.key[:80], "calls": e.count, "self_ms": own(e) / 1e3, "share": own(e) / total}

@@ -152,7 +152,8 @@ def main() -> None:
                  (f"block {block}: tokens/s", f"{s['tokens_per_s']:.1f}"),
                  (f"block {block}: speed-up (tokens/s ratio)", f"{speedup:.2f}x"),
                  (f"block {block}: speed-up per prompt (median, min-max)",
-                  f"{statistics.median(per_request):.2f}x ({min(per_request):.2f}-{max(per_request):.2f})"),
+                  f"{statistics.median(per_request):.2f}x ({min(per_request):.2f}-{max(per_request):.2f})"
+                  if per_request else "n/a (no prompt produced tokens in both runs)"),
                  (f"block {block}: vLLM mean acceptance length", f"{mal:.3f}" if mal else "n/a"),
                  (f"block {block}: step cost in plain tokens (break-even tau)", f"{step_cost:.2f}"
                   if step_cost else "n/a"),
