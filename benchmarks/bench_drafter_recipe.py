@@ -126,6 +126,7 @@ def main() -> None:
                                 "loss_last_quarter": round(sum(tail) / len(tail), 4),
                                 "heldout": heldout_objective(run.final, target_dir, args.data, arm_P, tokenizer, device),
                                 "heldout_tau": round(report["tau"], 4),
+                                "heldout_tau_by_category": report["tau_by_category"],
                                 "acceptance_per_position": [round(a, 4) for a in report["acceptance_per_position"]]}
         if by_step:
             result["runs"][name]["tau_by_step"] = {r["step"]: round(r["tau"], 4) for r in by_step}

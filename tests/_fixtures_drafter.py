@@ -95,7 +95,8 @@ def corpus(chain_target_dir, tokenizer, tmp_path_factory):
         conv = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
         ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
         answer = tokenizer.decode(greedy_generate(target, ids, 48).output_ids, skip_special_tokens=True)
-        rows.append({"id": str(i), "conversations": conv + [{"role": "assistant", "content": answer}]})
+        rows.append({"id": str(i), "category": ("chat", "math")[i % 2],
+                     "conversations": conv + [{"role": "assistant", "content": answer}]})
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
     io.write_jsonl(path, rows)                      # split_heldout keeps one of them (smallest md5 of its id) out
     return path, rows

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eqc_utils.drafter.decode import (DFlashProposer, greedy_generate, measure_acceptance, rejection_accept,
-                                      speculative_generate)
+from eqc_utils.drafter.decode import (DecodeResult, DFlashProposer, greedy_generate, measure_acceptance,
+                                      pooled_report, rejection_accept, speculative_generate)
 from eqc_utils.drafter.model import DFlashDrafter, drafter_config_for
 from tests._fixtures_decode import PROMPT, STOP_CASES, CorruptedOracle, expected_stats
 from tests._fixtures_drafter import load_causal_lm
@@ -108,6 +108,26 @@ def test_measure_acceptance_pools_steps_and_honours_stops(chain_target_dir):
     assert report.tau == pytest.approx(1 + sum(report.acceptance_per_position))
     assert report.acceptance_per_position == pytest.approx([a / len(lengths) for a in accepted_at])
     assert report.per_prompt_tau == pytest.approx([one.tau, one.tau])
+    assert report.per_prompt_steps == [len(lengths), len(lengths)]
+
+
+def test_tau_by_group_pools_each_group_like_the_whole_report():
+    """Per-category tau is the pooled tau of that category's prompts alone (not a mean of per-prompt taus: a
+    prompt with many steps weighs more), and the groups together give the overall tau."""
+    runs = [DecodeResult([0] * 9, [3, 3, 3]), DecodeResult([0] * 2, [1, 1]), DecodeResult([0] * 5, [4, 1]),
+            DecodeResult([0] * 4, [2, 1, 1])]
+    groups = ["math", "chat", "math", "chat"]
+    report = pooled_report(runs, 0.0)
+    by_group = report.tau_by_group(groups)
+    assert list(by_group) == ["chat", "math"]
+    for name, tau in by_group.items():
+        alone = pooled_report([r for r, g in zip(runs, groups) if g == name], 0.0)
+        assert tau == pytest.approx(alone.tau)
+    assert by_group["math"] == pytest.approx(14 / 5) != pytest.approx((3 + 2.5) / 2)
+    total_steps = {g: sum(len(r.acceptance_lengths) for r, h in zip(runs, groups) if h == g) for g in by_group}
+    assert sum(by_group[g] * total_steps[g] for g in by_group) / report.steps == pytest.approx(report.tau)
+    with pytest.raises(ValueError, match="3 groups for 4 prompts"):
+        report.tau_by_group(groups[:3])
 
 
 def test_rejection_sampling_keeps_the_target_distribution():

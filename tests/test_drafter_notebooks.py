@@ -50,6 +50,8 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
             assert len(rates) == block - 1 and all(a >= b for a, b in zip(rates, rates[1:])), (name, row)
             # tau = 1 + accepted / drafts; every verification step drafts all block - 1 positions
             assert row["tau"] == pytest.approx(1 + sum(rates), abs=1e-9), (name, row)
+            # one held-out prompt: its category's pooled tau is the whole tau
+            assert row["tau_by_category"] == {heldout[0]["category"]: pytest.approx(row["tau"])}, (name, row)
             assert all(r * row["steps"] == pytest.approx(round(r * row["steps"])) for r in rates), (name, row)
             # the decoder emits what plain decoding emits; each step commits its accepted drafts + 1,
             # the last one of a prompt overshooting the budget (or a stop) by at most block - 1
@@ -78,6 +80,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     assert metrics06["tau_pretrain"] == pytest.approx(tau[-1]["tau"], abs=1e-6)
     assert metrics06["accept_pos1"] == pytest.approx(tau[-1]["acceptance_per_position"][0], abs=1e-6)
     assert metrics06["steps"] == 3 and metrics06["heldout_prompts"] == 1
+    assert metrics06["tau_by_category"] == {heldout[0]["category"]: pytest.approx(tau[-1]["tau"], abs=1e-6)}
 
     tables = {name: io.read_json(nb07 / name / "tau.json")
               for name in ("finetune", "direct", "finetune_seed1", "direct_seed1")}

@@ -291,6 +291,19 @@ class AcceptanceReport:
     acceptance_per_position: list[float]      # P(draft k accepted), k = 1..B-1
     per_prompt_tau: list[float]
     seconds: float
+    per_prompt_steps: list[int] = field(default_factory=list)  # verification steps of each prompt
+
+    def tau_by_group(self, groups: list[str]) -> dict[str, float]:
+        """tau pooled within each group of prompts (groups[i]: prompt i's group, e.g. its data category), as the
+        whole report pools over all prompts: summed acceptance lengths / verification steps."""
+        if len(groups) != len(self.per_prompt_steps):
+            raise ValueError(f"tau_by_group: {len(groups)} groups for {len(self.per_prompt_steps)} prompts")
+        lengths: dict[str, float] = {}
+        steps: dict[str, int] = {}
+        for group, tau, n in zip(groups, self.per_prompt_tau, self.per_prompt_steps):
+            lengths[group] = lengths.get(group, 0.0) + tau * n
+            steps[group] = steps.get(group, 0) + n
+        return {group: lengths[group] / max(1, steps[group]) for group in sorted(lengths)}
 
 
 def measure_acceptance(target: nn.Module, proposer: DraftFn, prompts: list[list[int]], max_new_tokens: int,
@@ -314,4 +327,4 @@ def pooled_report(results: list[DecodeResult], seconds: float) -> AcceptanceRepo
     drafted = [sum(col) for col in zip(*(r.drafted_at for r in results))]
     rates = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
     return AcceptanceReport(lengths / max(1, steps), steps, sum(len(r.output_ids) for r in results), rates,
-                            [r.tau for r in results], seconds)
+                            [r.tau for r in results], seconds, [len(r.acceptance_lengths) for r in results])

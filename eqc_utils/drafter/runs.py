@@ -115,9 +115,18 @@ def measure_drafter(drafter_dir: Path, target, prompts: list[list[int]], stops: 
                               temperature=P["eval_temperature"])
 
 
+def tau_by_category(report: AcceptanceReport, heldout: list[dict]) -> dict[str, float] | None:
+    """Held-out tau per data category (the prompt rows' `category`: chat, stem, math, code), so that a held-out set
+    whose mix of categories changes (other prompt quotas) can still be compared category by category. None when
+    some held-out row has no category."""
+    groups = [row.get("category") for row in heldout]
+    return report.tau_by_group(groups) if groups and all(groups) else None
+
+
 def tau_per_checkpoint(result: RunResult, P: dict, tokenizer, device: str = "auto") -> list[dict]:
     """tau on the held-out prompts for every checkpoint of a run (the last one is the final drafter).
-    Written to `<run>/tau.json`; rows: step, tau, steps, tokens, acceptance_per_position, seconds."""
+    Written to `<run>/tau.json`; rows: step, tau, steps, tokens, acceptance_per_position, tau_by_category,
+    seconds."""
     device = resolve_device(device)
     target = load_target(result.target_dir, device, P["precision"])
     prompts = prompt_ids(tokenizer, result.heldout)
@@ -128,6 +137,7 @@ def tau_per_checkpoint(result: RunResult, P: dict, tokenizer, device: str = "aut
             report = measure_drafter(path, target, prompts, stops, P)
         table.append({"run": result.name, "step": step, "tau": report.tau, "steps": report.steps,
                       "tokens": report.tokens, "acceptance_per_position": report.acceptance_per_position,
+                      "tau_by_category": tau_by_category(report, result.heldout),
                       "seconds": round(report.seconds, 1)})
     io.write_json(result.out_dir / TAU_FILE, table)
     return table
@@ -140,7 +150,8 @@ def tau_of_drafter(drafter_dir: Path, result: RunResult, P: dict, tokenizer, dev
     with torch.no_grad():
         report = measure_drafter(drafter_dir, target, prompt_ids(tokenizer, result.heldout),
                                  stop_ids(tokenizer, target.config), P)
-    return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position}
+    return {"tau": report.tau, "steps": report.steps, "acceptance_per_position": report.acceptance_per_position,
+            "tau_by_category": tau_by_category(report, result.heldout)}
 
 
 def speedup_of(result: RunResult, P: dict, tokenizer, device: str = "auto") -> dict | None:
