@@ -95,6 +95,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
         assert by_name[label]["tau"] == pytest.approx(tables[run][-1]["tau"], abs=1e-9)
         assert by_name[label]["step"] == tables[run][-1]["step"] == 3
         assert metrics07[key] == pytest.approx(tables[run][-1]["tau"], abs=1e-6)
+    assert metrics07["tau_two_stage_by_category"] == {heldout[0]["category"]: pytest.approx(metrics07["tau_two_stage"])}
     # 07's "pretrained only" is 06's final drafter on the same held-out prompt against the same weights
     # (the QAD twin here is a copy of the teacher): it must repeat 06's last measurement
     assert by_name["pretrained only"]["tau"] == pytest.approx(tau[-1]["tau"], abs=1e-9)
