@@ -71,6 +71,43 @@ def test_serves_then_stops_everything_after_an_exception(tmp_path):
 
 
 @needs_vllm
+def test_a_free_port_taken_before_vllm_binds_it_is_replaced(tmp_path, monkeypatch):
+    """free_port() only finds a port free; another process can bind it while vLLM is still importing. The
+    server is then started again on another port, and the failed start stays in its log."""
+    import socket
+
+    from eqc_utils.serving import launcher
+
+    model = micro_model(tmp_path)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        with VLLMServers(model, served_name="micro", extra_args=SERVER_ARGS, log_dir=tmp_path / "logs",
+                         startup_timeout=300, device="cpu") as servers:
+            assert servers.ports[0] != taken and len(servers.pids) == 1
+            body = json.dumps({"model": "micro", "prompt": "Hi", "max_tokens": 2}).encode()
+            request = urllib.request.Request(servers.base_urls[0] + "/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                assert resp.status == 200
+        log = (tmp_path / "logs" / "vllm_micro_0.log").read_text()
+        assert "Address already in use" in log and log.count("$ ") == 2 and f"--port {taken}" in log
+        # a fixed port (port_base) is the user's choice: no silent move, the error shows the log
+        fixed = VLLMServers(model, served_name="micro", extra_args=SERVER_ARGS, log_dir=tmp_path / "fixed",
+                            port_base=taken, startup_timeout=300, device="cpu")
+        with pytest.raises(ServerStartError, match="Address already in use"):
+            fixed.start()
+        assert fixed.pids == []
+    finally:
+        squatter.close()
+
+
+@needs_vllm
 def test_a_server_that_cannot_start_reports_its_log_tail(tmp_path):
     servers = VLLMServers(tmp_path / "no_such_model", log_dir=tmp_path / "logs", startup_timeout=240, device="cpu")
     with pytest.raises(ServerStartError) as err:

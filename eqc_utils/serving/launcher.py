@@ -92,6 +92,10 @@ def _whole_prefills_on_cpu(args: list[str]) -> list[str]:
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
 
 
+PORT_RETRIES = 3                        # fresh ports tried for a server whose free port was taken before it bound
+PORT_TAKEN = "Address already in use"   # what vLLM's log says then
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -154,6 +158,7 @@ class VLLMServers:
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.log_paths: list[Path] = []
+        self.placements: list[tuple[int | None, str | None]] = []   # per server: (GPU, CPU core list)
 
     # ---- public
     @property
@@ -201,7 +206,7 @@ class VLLMServers:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        self.procs, self.ports = [], []
+        self.procs, self.ports, self.placements = [], [], []
         _LIVE.discard(self)
 
     def __enter__(self) -> "VLLMServers":
@@ -242,6 +247,7 @@ class VLLMServers:
         return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(self.n)]
 
     def _spawn(self, i: int, *, gpu: int | None, cpus: str | None) -> None:
+        """Start server i (appended, or in place of an earlier server i that exited)."""
         port = self.port_base + i if self.port_base else free_port()
         args = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", self.served_name, *self.extra_args]
@@ -258,21 +264,34 @@ class VLLMServers:
         env.update(self.env)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"vllm_{self.served_name}_{i}.log"
-        with open(log_path, "w") as log:
+        with open(log_path, "a" if i < len(self.procs) else "w") as log:   # a retry keeps the failed start's log
             log.write("$ " + " ".join(args) + "\n")
             log.flush()
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        self.procs.append(proc)
-        self.ports.append(port)
-        self.log_paths.append(log_path)
+        for values, value in ((self.procs, proc), (self.ports, port), (self.log_paths, log_path),
+                              (self.placements, (gpu, cpus))):
+            if i < len(values):
+                values[i] = value
+            else:
+                values.append(value)
 
     def _wait_ready(self, i: int) -> None:
         proc, port, log_path = self.procs[i], self.ports[i], self.log_paths[i]
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.startup_timeout
         healthy = False
+        port_retries = PORT_RETRIES if self.port_base is None else 0
         while time.monotonic() < deadline:
+            if proc.poll() is not None and port_retries and PORT_TAKEN in log_tail(log_path):
+                # free_port() only found the port free: another process (a Jupyter kernel, a client's outgoing
+                # connection) can take it in the seconds before vLLM, still importing, binds it. Another port.
+                port_retries -= 1
+                gpu, cpus = self.placements[i]
+                self._spawn(i, gpu=gpu, cpus=cpus)
+                proc, port = self.procs[i], self.ports[i]
+                base = f"http://127.0.0.1:{port}"
+                continue
             if proc.poll() is not None:
                 raise ServerStartError(
                     f"vLLM server {i} ({self.model}) exited with code {proc.returncode} during startup; "
