@@ -381,3 +381,40 @@ def test_sigterm_stops_the_proxy_and_leaves_no_vllm_process(served):
         time.sleep(0.2)
     assert not group_alive(vllm_pid) and not pid_alive(vllm_pid), "a vLLM process outlived the proxy"
     assert "vLLM stopped" in served.log_path.read_text()
+
+
+@needs_vllm
+def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path):
+    """The internal port is only found free; if another process binds it before vLLM does, the backend starts
+    vLLM again on a fresh port instead of failing (a configured proxy.internal_port is never moved)."""
+    import socket
+
+    from eqc_utils.serving.proxy import VLLMBackend
+
+    config = tmp_path / "micro.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "micro", "model": str(micro_model(tmp_path)), "served_model_name": "micro", "device": "cpu",
+        "startup_timeout": 300, "log_dir": str(tmp_path / "logs"), "vllm_args": {"max_model_len": 1024}}))
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    backend = VLLMBackend(load_serve_config(config))
+    backend.port = taken = squatter.getsockname()[1]
+
+    async def until_settled() -> str:
+        await backend.start()
+        deadline = time.monotonic() + 300
+        while backend.state not in ("ready", "failed") and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        state = backend.state
+        answer = httpx.post(backend.base_url + "/v1/completions", json={"model": "micro", "prompt": "Hi",
+                                                                          "max_tokens": 2}, timeout=60)
+        backend.stop()
+        return f"{state} {answer.status_code}"
+
+    try:
+        assert asyncio.run(until_settled()) == "ready 200", backend.detail
+        assert backend.port != taken and backend.port_retries == 2
+    finally:
+        backend.stop()
+        squatter.close()

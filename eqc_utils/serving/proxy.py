@@ -43,8 +43,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eqc_utils.serving.config import ServeConfig, load_serve_config
-from eqc_utils.serving.launcher import (ServerStartError, VLLMServers, _die_with_parent, cuda_device_count,
-                                        free_port, log_tail)
+from eqc_utils.serving.launcher import (PORT_RETRIES, PORT_TAKEN, ServerStartError, VLLMServers, _die_with_parent,
+                                        cuda_device_count, free_port, log_tail)
 
 log = logging.getLogger("eqc.serving")
 
@@ -80,6 +80,7 @@ class VLLMBackend:
         self.config = config
         proxy = config.proxy
         self.port = int(proxy["internal_port"] or free_port())
+        self.port_retries = 0 if proxy["internal_port"] else PORT_RETRIES   # a configured port is never moved
         self.max_restarts = int(proxy["max_restarts"])
         self.state = "idle"
         self.detail: str | None = None
@@ -166,16 +167,24 @@ class VLLMBackend:
         engine can serve); False if it exits or the startup timeout passes (state becomes failed)."""
         deadline = time.monotonic() + float(self.config["startup_timeout"])
         body = {"model": self.config.served_model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(60.0, connect=5.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
             while time.monotonic() < deadline:
                 proc = self.servers.procs[0]
+                if proc.poll() is not None and self.port_retries and PORT_TAKEN in log_tail(self.log_path):
+                    # the free port was taken before vLLM bound it (launcher.PORT_RETRIES): another port
+                    self.port_retries -= 1
+                    log.warning("vLLM could not bind port %s (taken meanwhile); starting it on another", self.port)
+                    self.servers.stop(grace=1.0)
+                    self.port = free_port()
+                    self._spawn()
+                    continue
                 if proc.poll() is not None:
                     self._fail(f"vLLM exited with code {proc.returncode} while starting; log {self.log_path}, "
                                f"last lines:\n{log_tail(self.log_path)}")
                     return False
                 try:
-                    if (await client.get("/health", timeout=5.0)).status_code == 200:
-                        if (await client.post("/v1/completions", json=body)).status_code == 200:
+                    if (await client.get(f"{self.base_url}/health", timeout=5.0)).status_code == 200:
+                        if (await client.post(f"{self.base_url}/v1/completions", json=body)).status_code == 200:
                             return True
                 except httpx.HTTPError:
                     pass   # not listening yet
