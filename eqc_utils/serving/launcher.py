@@ -287,6 +287,7 @@ class VLLMServers:
                 # free_port() only found the port free: another process (a Jupyter kernel, a client's outgoing
                 # connection) can take it in the seconds before vLLM, still importing, binds it. Another port.
                 port_retries -= 1
+                _signal_group(proc, signal.SIGKILL)   # whatever the failed start had spawned goes with it
                 gpu, cpus = self.placements[i]
                 self._spawn(i, gpu=gpu, cpus=cpus)
                 proc, port = self.procs[i], self.ports[i]
