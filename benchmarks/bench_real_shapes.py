@@ -10,7 +10,8 @@ Sections (each prints a markdown table with medians and the ratio to the hardwar
            _amax, chunked per-token KL to a frozen teacher, gradient checkpointing, bf16, AdamW) at seq
            4096 / 8192 / 16384, micro-batch 1: step time, tokens/s, peak memory, model-FLOP utilisation;
            plus the full-logits KL at the shortest length to show what chunking saves; --qad-profile adds the
-           operators that take the longest step's GPU time
+           operators that take the longest step's GPU time, summed by kernel class; --qad-fake-quant pinned and
+           --qad-compile run the step as the pipeline's qad.fake_quant / qad.compile do
   drafter  one DFlash training step (eqc_utils.drafter: 5 layers, block 16, 512 anchors, flex_attention,
            target features captured online) vs sequence length: tokens/s and peak memory
   decode   the reference decoder's pieces: a 1-token and a 16-token target verify step with a KV/recurrent
@@ -98,6 +99,29 @@ def param_count(model) -> int:
 
 # ------------------------------------------------------------------ QAD step
 
+KERNEL_CLASSES = {  # kernel-name fragments -> what the time is spent on (first match wins)
+    "gemm": ("nvjet", "gemm", "cutlass", "xmma", "cublas"),
+    "attention": ("sdpa", "flash", "fmha", "attention"),
+    "gated_deltanet": ("chunk", "delta", "fused_recurrent", "tilelang", "kernel_kernel"),
+    "conv1d": ("conv",),
+    "softmax_kl": ("softmax", "log_softmax", "kl_div", "xlogy"),
+    "optimizer": ("optimizer", "adam", "foreach", "multi_tensor"),
+    "copy_cast": ("copy", "cast", "fill", "memcpy", "memset"),
+    "elementwise": ("elementwise", "functor", "reduce"),
+}
+
+
+def kernel_classes(ops: list[dict]) -> list[dict]:
+    """Sum top_ops rows into KERNEL_CLASSES, so a profile reads as 'GEMMs x%, elementwise y%'."""
+    sums: dict[str, float] = {}
+    for op in ops:
+        name = op["op"].lower()
+        kind = next((k for k, keys in KERNEL_CLASSES.items() if any(f in name for f in keys)), "other")
+        sums[kind] = sums.get(kind, 0.0) + op["self_ms"]
+    total = sum(sums.values()) or 1.0
+    return [{"class": k, "ms": v, "share": v / total} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])]
+
+
 def top_ops(step, n: int = 20) -> list[dict]:
     """One call of step() under torch.profiler: the n operators with the most self device time (CPU time without
     CUDA), each with its share of the total, so a slow step says where its time goes."""
@@ -112,7 +136,12 @@ def top_ops(step, n: int = 20) -> list[dict]:
     def own(event) -> float:  # microseconds spent in the operator itself, not in what it calls
         return event.self_device_time_total if on_device else event.self_cpu_time_total
 
-    events = [e for e in prof.key_averages() if own(e) > 0]
+    from torch.autograd import DeviceType
+
+    # on the GPU only kernels and copies count: operator rows (aten::mm) repeat their kernels' time, and CUPTI's
+    # "Command Buffer Full" marks the host waiting on a full launch queue, not work done by the device
+    events = [e for e in prof.key_averages() if own(e) > 0 and (not on_device or (
+        e.device_type == DeviceType.CUDA and not e.key.startswith(("aten::", "Command Buffer"))))]
     total = sum(own(e) for e in events) or 1.0
     events.sort(key=own, reverse=True)
     return [{"op": e.key[:80], "calls": e.count, "self_ms": own(e) / 1e3, "share": own(e) / total}
@@ -120,7 +149,7 @@ def top_ops(step, n: int = 20) -> list[dict]:
 
 
 def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeats: int,
-              profile_ops: bool = False) -> list[dict]:
+              profile_ops: bool = False, fake_quant: str = "modelopt", compile_decoder: bool = False) -> list[dict]:
     from eqc_utils.params import load_params
     from eqc_utils.quant import grid, kl
 
@@ -130,6 +159,11 @@ def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeat
     student.load_state_dict(teacher.state_dict())
     modules = grid.attach_int4_quantizers(student, quant)
     pinned = grid.pin_grid(student, {name: grid.grid_scales(m) for name, m in modules.items()})
+    if fake_quant == "pinned":      # the pipeline's qad.fake_quant: pinned (one autograd function per weight)
+        from eqc_utils.quant.fake_quant import use_pinned_int4_forward
+        use_pinned_int4_forward(student)
+    if compile_decoder:             # the pipeline's qad.compile on CUDA
+        student.model.compile()
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.config.use_cache = False
     student.train()
@@ -171,9 +205,11 @@ def bench_qad(seq_lens: list[int], peak_tflops: float, chunk_tokens: int, repeat
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30,
                              "MFU": flops / s / (peak_tflops * 1e12)})
                 if profile_ops and seq == max(seq_lens) and mode == "chunked":
-                    ops = top_ops(step)
-                    print(table(f"qad step at seq {seq}: operators by own GPU time", ops), flush=True)
-                    rows[-1]["top_ops"] = ops
+                    ops = top_ops(step, n=10_000)
+                    classes = kernel_classes(ops)
+                    print(table(f"qad step at seq {seq}: operators by own GPU time", ops[:20]), flush=True)
+                    print(table(f"qad step at seq {seq}: GPU time by kernel class", classes), flush=True)
+                    rows[-1]["top_ops"], rows[-1]["kernel_classes"] = ops[:40], classes
             except torch.OutOfMemoryError:
                 rows.append({"seq": seq, "kl": mode, "step_s": float("nan"), "tokens_per_s": float("nan"),
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "MFU": float("nan")})
@@ -363,6 +399,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--qad-profile", action="store_true",
                     help="profile one QAD step at the longest --qad-seq: operators by own GPU time (top_ops in JSON)")
+    ap.add_argument("--qad-fake-quant", choices=("modelopt", "pinned"), default="modelopt",
+                    help="the student's INT4 forward: modelopt's quantiser, or one autograd function per weight")
+    ap.add_argument("--qad-compile", action="store_true", help="torch.compile the student's decoder")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -389,7 +428,8 @@ def main() -> int:
     sections = {
         "gdn": lambda: bench_gdn([int(x) for x in args.qad_seq.split(",")], args.repeats),
         "qad": lambda: bench_qad([int(x) for x in args.qad_seq.split(",")], ceiling["bf16_gemm_TFLOPs"],
-                                 args.kl_chunk, args.repeats, args.qad_profile),
+                                 args.kl_chunk, args.repeats, args.qad_profile, args.qad_fake_quant,
+                                 args.qad_compile),
         "drafter": lambda: bench_drafter([int(x) for x in args.drafter_seq.split(",")],
                                          ceiling["bf16_gemm_TFLOPs"], args.repeats, args.drafter_batch),
         "decode": lambda: bench_decode([int(x) for x in args.contexts.split(",")], ceiling["copy_TBps"],

@@ -192,6 +192,7 @@ SCHEMA: dict = {
         "heldout_prompts": int,            # last rows of the data file: never trained on, used for tau
         "epochs": int,
         "max_steps": Opt(int),             # optimiser-step cap per run; null = epochs decide
+        "finetune_steps": Opt(int),        # 07: the cap for its fine-tune and direct runs; null = max_steps
         "batch_size": int,                 # sequences per micro-batch per device
         "length_grouping": int,            # batches drawn from windows of this many batches sorted by length (0: off)
         "pad_multiple": Opt(int),          # compiled drafter: pad a batch to the next multiple of this (null: max_length)

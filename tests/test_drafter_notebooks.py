@@ -23,6 +23,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     (runs / "02_teacher_data").mkdir(parents=True)
     shutil.copy(path, runs / "02_teacher_data" / "teacher.jsonl")
     overrides = {"assets.teacher": str(chain_target_dir), "drafter.num_layers": 1, "drafter.max_steps": 3,
+                 "drafter.finetune_steps": 4,                  # 07 trains its own number of steps
                  "drafter.save_every": 2, "drafter.log_every": 1, "drafter.heldout_prompts": 1,
                  "drafter.eval_max_new_tokens": 12, "drafter.vllm_check": False, "device": "cpu",
                  "drafter.curve_conversations": [2, 100], "drafter.comparison_seeds": 2}
@@ -43,8 +44,8 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     plain_tokens = sum(len(greedy_generate(target, ids, 12, stop_ids(tokenizer, target.config)).output_ids)
                        for ids in prompts)
 
-    def check_tau_table(table, name):
-        assert [row["step"] for row in table] == [2, 3], name        # save_every 2, max_steps 3
+    def check_tau_table(table, name, steps=(2, 3)):
+        assert [row["step"] for row in table] == list(steps), name  # save_every 2, max_steps 3 (07: finetune_steps 4)
         for row in table:
             rates = row["acceptance_per_position"]
             assert len(rates) == block - 1 and all(a >= b for a, b in zip(rates, rates[1:])), (name, row)
@@ -85,7 +86,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     tables = {name: io.read_json(nb07 / name / "tau.json")
               for name in ("finetune", "direct", "finetune_seed1", "direct_seed1")}
     for name, table in tables.items():
-        check_tau_table(table, f"07 {name}")
+        check_tau_table(table, f"07 {name}", steps=(2, 4))
     summary = io.read_json(nb07 / "tau_summary.json")
     assert [row["drafter"] for row in summary] == ["pretrained only", "two-stage", "direct", "two-stage (seed 1)",
                                                    "direct (seed 1)"]
@@ -93,7 +94,7 @@ def test_notebooks_06_and_07_train_measure_and_compare(chain_target_dir, corpus,
     metrics07 = json.loads((nb07 / "metrics.json").read_text())
     for label, run, key in (("two-stage", "finetune", "tau_two_stage"), ("direct", "direct", "tau_direct")):
         assert by_name[label]["tau"] == pytest.approx(tables[run][-1]["tau"], abs=1e-9)
-        assert by_name[label]["step"] == tables[run][-1]["step"] == 3
+        assert by_name[label]["step"] == tables[run][-1]["step"] == 4
         assert metrics07[key] == pytest.approx(tables[run][-1]["tau"], abs=1e-6)
     assert metrics07["tau_two_stage_by_category"] == {heldout[0]["category"]: pytest.approx(metrics07["tau_two_stage"])}
     # 07's "pretrained only" is 06's final drafter on the same held-out prompt against the same weights

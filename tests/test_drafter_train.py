@@ -132,7 +132,7 @@ def test_interrupted_training_resumes_to_the_same_result(chain_target_dir, token
 
 
 def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, tokenizer, corpus, tmp_path):
-    """log_every, save_every, eval_*, vllm_* and epochs/max_steps never discard checkpoints; a longer run
+    """log_every, save_every, eval_*, vllm_*, finetune_steps and epochs/max_steps never discard checkpoints; a longer run
     continues from the last one on the new schedule, a shorter one from the newest it can use."""
     from eqc_utils.training import warmup_cosine
     path, _ = corpus
@@ -142,7 +142,7 @@ def test_logging_serving_and_longer_runs_keep_the_checkpoints(chain_target_dir, 
     kept = (out / "checkpoints" / "step-4").stat().st_ino
     logs = []
     P = tiny_params(max_steps=6, save_every=1, log_every=1, vllm_prompts=3, vllm_check=False, eval_max_new_tokens=8,
-                    vllm_args={"max-model-len": 256}, eval_temperature=0.5)
+                    vllm_args={"max-model-len": 256}, eval_temperature=0.5, finetune_steps=9)  # 07's key: not 06's
     result = train_run("keep", chain_target_dir, path, out, P, tokenizer, device="cpu", log=logs.append)
     assert any("resuming from step-4" in line for line in logs), logs
     assert any("schedule length changed from 4 to 6 steps" in line for line in logs), logs

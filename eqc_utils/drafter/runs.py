@@ -41,6 +41,12 @@ class RunResult:
     history: list[dict]
 
 
+def stage2_params(P: dict) -> dict:
+    """07's drafter settings: its fine-tune and direct runs train `finetune_steps` steps where that is set. A warm
+    start needs fewer steps than pre-training, and both arms of the comparison get the same budget."""
+    return P if P["finetune_steps"] is None else {**P, "max_steps": P["finetune_steps"]}
+
+
 def train_run(name: str, target_dir: Path, data_path: Path, out_dir: Path, P: dict, tokenizer, *,
               device: str = "auto", seed: int = 0, init_from: Path | None = None, log=print) -> RunResult:
     """Train (or resume) one drafter run on `data_path` minus its held-out rows."""

@@ -62,7 +62,8 @@ NEUTRAL_KEYS = frozenset({"save_every", "log_every", "keep_last_ckpts", "resume"
                           "eval_max_new_tokens", "eval_temperature", "vllm_check", "vllm_prompts", "vllm_args",
                           "near_tie_margin", "precision", "attention", "fused_loss", "compile",
                           "curve_conversations", "comparison_seeds", "pad_multiple",
-                          "speedup_prompts", "speedup_tokens"})
+                          "speedup_prompts", "speedup_tokens",
+                          "finetune_steps"})   # 07 turns it into its runs' max_steps (runs.stage2_params)
 HORIZON_KEYS = ("epochs", "max_steps")
 
 
