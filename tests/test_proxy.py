@@ -384,11 +384,12 @@ def test_sigterm_stops_the_proxy_and_leaves_no_vllm_process(served):
 
 
 @needs_vllm
-def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path):
+def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path, monkeypatch):
     """The internal port is only found free; if another process binds it before vLLM does, the backend starts
     vLLM again on a fresh port instead of failing (a configured proxy.internal_port is never moved)."""
     import socket
 
+    from eqc_utils.serving import launcher
     from eqc_utils.serving.proxy import VLLMBackend
 
     config = tmp_path / "micro.yaml"
@@ -398,8 +399,12 @@ def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path):
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])             # the first free port handed out is the squatted one
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or real_free_port())
     backend = VLLMBackend(load_serve_config(config))
-    backend.port = taken = squatter.getsockname()[1]
+    seen = {}
 
     async def until_settled() -> str:
         await backend.start()
@@ -407,6 +412,8 @@ def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path):
         while backend.state not in ("ready", "failed") and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         state = backend.state
+        seen.update(port=backend.port, retries_left=list(backend.servers.port_retries),
+                    log=backend.log_path.read_text())
         answer = httpx.post(backend.base_url + "/v1/completions", json={"model": "micro", "prompt": "Hi",
                                                                           "max_tokens": 2}, timeout=60)
         backend.stop()
@@ -414,7 +421,8 @@ def test_a_taken_internal_port_is_replaced_while_vllm_starts(tmp_path):
 
     try:
         assert asyncio.run(until_settled()) == "ready 200", backend.detail
-        assert backend.port != taken and backend.port_retries == 2
+        assert seen["port"] != taken and seen["retries_left"] == [2]
+        assert "Address already in use" in seen["log"] and f"--port {taken}" in seen["log"]
     finally:
         backend.stop()
         squatter.close()

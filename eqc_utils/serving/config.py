@@ -56,7 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "startup_timeout": 900.0,
     "log_dir": None,                # null: a temporary folder (its path is in the proxy's log)
     "proxy": {
-        "internal_port": None,      # vLLM's loopback port; null: a free one, kept across restarts
+        "internal_port": None,      # vLLM's loopback port; null: a free one at each start
         "max_attempts": 4,          # tries per request on a vLLM 5xx or a connection error
         "backoff_base": 0.5,        # seconds; the wait before try k+1 is backoff_base * 2**k
         "max_restarts": 3,          # restarts of a vLLM that died after becoming ready

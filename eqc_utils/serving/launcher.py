@@ -159,6 +159,7 @@ class VLLMServers:
         self.ports: list[int] = []
         self.log_paths: list[Path] = []
         self.placements: list[tuple[int | None, str | None]] = []   # per server: (GPU, CPU core list)
+        self.port_retries: list[int] = []   # per server: fresh ports it may still be given (restart_if_port_taken)
 
     # ---- public
     @property
@@ -176,6 +177,7 @@ class VLLMServers:
         if self.procs:
             raise RuntimeError("VLLMServers.start(): already started")
         _LIVE.add(self)
+        self.port_retries = [0 if self.port_base else PORT_RETRIES] * self.n   # a fixed port is never moved
         try:
             on_gpu = self._use_gpu()
             cpu_groups = None if on_gpu else self._cpu_groups()
@@ -276,23 +278,29 @@ class VLLMServers:
             else:
                 values.append(value)
 
+    def restart_if_port_taken(self, i: int) -> bool:
+        """Start server i again on a fresh port if it exited because its port was taken; True if it did.
+
+        free_port() only finds a port free: another process (a Jupyter kernel, a client's outgoing connection)
+        can take it in the seconds before vLLM, still importing, binds it. Up to PORT_RETRIES times per
+        server; never with a fixed port_base (the user's choice: the start fails and shows the log)."""
+        proc = self.procs[i]
+        if proc.poll() is None or not self.port_retries[i] or PORT_TAKEN not in log_tail(self.log_paths[i]):
+            return False
+        self.port_retries[i] -= 1
+        _signal_group(proc, signal.SIGKILL)   # whatever the failed start had spawned goes with it
+        gpu, cpus = self.placements[i]
+        self._spawn(i, gpu=gpu, cpus=cpus)
+        return True
+
     def _wait_ready(self, i: int) -> None:
-        proc, port, log_path = self.procs[i], self.ports[i], self.log_paths[i]
-        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.startup_timeout
         healthy = False
-        port_retries = PORT_RETRIES if self.port_base is None else 0
         while time.monotonic() < deadline:
-            if proc.poll() is not None and port_retries and PORT_TAKEN in log_tail(log_path):
-                # free_port() only found the port free: another process (a Jupyter kernel, a client's outgoing
-                # connection) can take it in the seconds before vLLM, still importing, binds it. Another port.
-                port_retries -= 1
-                _signal_group(proc, signal.SIGKILL)   # whatever the failed start had spawned goes with it
-                gpu, cpus = self.placements[i]
-                self._spawn(i, gpu=gpu, cpus=cpus)
-                proc, port = self.procs[i], self.ports[i]
-                base = f"http://127.0.0.1:{port}"
+            if self.restart_if_port_taken(i):
                 continue
+            proc, log_path = self.procs[i], self.log_paths[i]
+            base = f"http://127.0.0.1:{self.ports[i]}"
             if proc.poll() is not None:
                 raise ServerStartError(
                     f"vLLM server {i} ({self.model}) exited with code {proc.returncode} during startup; "
@@ -310,7 +318,7 @@ class VLLMServers:
             time.sleep(1.0)
         raise ServerStartError(
             f"vLLM server {i} ({self.model}) not ready after {self.startup_timeout:.0f} s "
-            f"(generation.startup_timeout); log {log_path}, last lines:\n{log_tail(log_path)}")
+            f"(generation.startup_timeout); log {self.log_paths[i]}, last lines:\n{log_tail(self.log_paths[i])}")
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, bytes]:

@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eqc_utils.serving.config import ServeConfig, load_serve_config
-from eqc_utils.serving.launcher import (PORT_RETRIES, PORT_TAKEN, ServerStartError, VLLMServers, _die_with_parent,
+from eqc_utils.serving.launcher import (ServerStartError, VLLMServers, _die_with_parent,
                                         cuda_device_count, free_port, log_tail)
 
 log = logging.getLogger("eqc.serving")
@@ -79,8 +79,7 @@ class VLLMBackend:
     def __init__(self, config: ServeConfig):
         self.config = config
         proxy = config.proxy
-        self.port = int(proxy["internal_port"] or free_port())
-        self.port_retries = 0 if proxy["internal_port"] else PORT_RETRIES   # a configured port is never moved
+        self.internal_port = int(proxy["internal_port"]) if proxy["internal_port"] else None   # null: a free one
         self.max_restarts = int(proxy["max_restarts"])
         self.state = "idle"
         self.detail: str | None = None
@@ -90,8 +89,12 @@ class VLLMBackend:
         self._task: asyncio.Task | None = None
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def port(self) -> int | None:
+        return self.servers.ports[0] if self.servers and self.servers.ports else self.internal_port
+
+    @property
+    def base_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.port}" if self.port else None
 
     @property
     def ready(self) -> bool:
@@ -122,7 +125,7 @@ class VLLMBackend:
         the parent-death signal is tied to the thread that spawned the child)."""
         log_dir = self.log_dir / f"restart_{self.restarts}" if self.restarts else self.log_dir   # keep each log
         self.servers = VLLMServers(self.config.model, n=1, served_name=self.config.served_model_name,
-                                   extra_args=self.config.vllm_flags(), env=self._env(), port_base=self.port,
+                                   extra_args=self.config.vllm_flags(), env=self._env(), port_base=self.internal_port,
                                    startup_timeout=float(self.config["startup_timeout"]), log_dir=log_dir,
                                    device=self.config["device"])
         self.servers.start(wait=False)
@@ -169,15 +172,10 @@ class VLLMBackend:
         body = {"model": self.config.served_model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
             while time.monotonic() < deadline:
-                proc = self.servers.procs[0]
-                if proc.poll() is not None and self.port_retries and PORT_TAKEN in log_tail(self.log_path):
-                    # the free port was taken before vLLM bound it (launcher.PORT_RETRIES): another port
-                    self.port_retries -= 1
-                    log.warning("vLLM could not bind port %s (taken meanwhile); starting it on another", self.port)
-                    self.servers.stop(grace=1.0)
-                    self.port = free_port()
-                    self._spawn()
+                if self.servers.restart_if_port_taken(0):
+                    log.warning("vLLM could not bind its port (taken meanwhile); started again on port %s", self.port)
                     continue
+                proc = self.servers.procs[0]
                 if proc.poll() is not None:
                     self._fail(f"vLLM exited with code {proc.returncode} while starting; log {self.log_path}, "
                                f"last lines:\n{log_tail(self.log_path)}")
