@@ -77,6 +77,12 @@ def render_prompt(tokenizer, messages: list[dict], thinking: str = "auto") -> li
 
 def render_with_answer(tokenizer, messages: list[dict]) -> tuple[list[int], int]:
     """Token ids of a whole conversation (ending with the assistant's answer) and where the answer starts."""
+    return encode_prompt_and_answer(tokenizer, [prompt_and_answer_text(tokenizer, messages)])[0]
+
+
+def prompt_and_answer_text(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """The chat-template rendering of a conversation split where the assistant's answer starts: (the prompt with
+    its generation prompt, the answer with the template's end of turn)."""
     if not messages or messages[-1]["role"] != "assistant":
         raise ConversationError("a training conversation must end with an assistant turn")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
@@ -88,6 +94,15 @@ def render_with_answer(tokenizer, messages: list[dict]) -> tuple[list[int], int]
             f"conversation (first difference at character {at}: prompt {prompt[at:at + 40]!r} vs conversation "
             f"{text[at:at + 40]!r}), so the assistant answer cannot be located; use a template "
             f"whose generation prompt is a prefix of the rendered conversation")
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(text[len(prompt):], add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids, len(prompt_ids)
+    return prompt, text[len(prompt):]
+
+
+def encode_prompt_and_answer(tokenizer, parts: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+    """(token ids, answer start) of conversations split by `prompt_and_answer_text`. Prompt and answer are
+    tokenised apart, so no token straddles the boundary; all prompts go to the tokenizer in one call and all
+    answers in another, which a fast tokenizer encodes in parallel (what a data set of 10^4-10^5 rows needs)."""
+    if not parts:
+        return []
+    prompts = tokenizer([prompt for prompt, _ in parts], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([answer for _, answer in parts], add_special_tokens=False)["input_ids"]
+    return [(prompt + answer, len(prompt)) for prompt, answer in zip(prompts, answers)]

@@ -51,6 +51,21 @@ def test_render_tokens_starts_the_answer_where_generation_starts(tokenizer):
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conv, tokenize=False)
 
 
+def test_conversations_encoded_together_are_encoded_as_each_alone(tokenizer):
+    """Drafter and QAD data tokenise all prompts in one tokenizer call and all answers in another: each
+    conversation must get exactly the ids it gets alone (no padding, no merging across rows)."""
+    from eqc_utils.conversation import encode_prompt_and_answer, prompt_and_answer_text
+    answers = ["\n\nParis.", " leading space", "tabs\tand ünïcödé ✓", "", "x" * 700, "1. a\n2. b\n\n```py\nx = 1\n```"]
+    convs = [[{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": a}]
+             for i, a in enumerate(answers)]
+    parts = [prompt_and_answer_text(tokenizer, conv) for conv in convs]
+    together = encode_prompt_and_answer(tokenizer, parts)
+    for (prompt, answer), (ids, prompt_len) in zip(parts, together):
+        alone = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert (ids, prompt_len) == (alone + tokenizer(answer, add_special_tokens=False)["input_ids"], len(alone))
+    assert len(together) == len(convs) and encode_prompt_and_answer(tokenizer, []) == []
+
+
 def test_template_that_renders_the_prompt_differently_is_a_clear_error(tokenizer):
     import copy
     tok = copy.deepcopy(tokenizer)

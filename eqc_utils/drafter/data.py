@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from eqc_utils.conversation import render_with_answer, training_messages
+from eqc_utils.conversation import encode_prompt_and_answer, prompt_and_answer_text, training_messages
 from eqc_utils.generation.rows import prompt_id_of
 
 
@@ -24,17 +24,20 @@ class Example:
     loss_mask: list[int]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Example:
-    ids, prompt_len = render_with_answer(tokenizer, messages)
-    return Example(ids[:max_length], ([0] * prompt_len + [1] * (len(ids) - prompt_len))[:max_length])
+TOKENIZE_CHUNK = 2048   # rows rendered, then tokenised in one call (progress is shown per chunk)
 
 
 def build_examples(rows: list[dict], tokenizer, max_length: int, min_loss_tokens: int, where: str = "") -> list[Example]:
     examples = []
-    for row in tqdm(rows, desc="tokenize", leave=False):
-        example = tokenize_conversation(tokenizer, training_messages(row, where), max_length)
-        if sum(example.loss_mask) >= min_loss_tokens:
-            examples.append(example)
+    with tqdm(total=len(rows), desc="tokenize", leave=False) as progress:
+        for start in range(0, len(rows), TOKENIZE_CHUNK):
+            chunk = rows[start:start + TOKENIZE_CHUNK]
+            parts = [prompt_and_answer_text(tokenizer, training_messages(row, where)) for row in chunk]
+            for ids, prompt_len in encode_prompt_and_answer(tokenizer, parts):
+                example = Example(ids[:max_length], ([0] * prompt_len + [1] * (len(ids) - prompt_len))[:max_length])
+                if sum(example.loss_mask) >= min_loss_tokens:
+                    examples.append(example)
+            progress.update(len(chunk))
     if not examples:
         raise ValueError(f"{where}: no conversation has >= {min_loss_tokens} assistant tokens within "
                          f"{max_length} tokens; check the data file or lower drafter.block_size")

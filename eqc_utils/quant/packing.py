@@ -21,7 +21,8 @@ import random
 
 import torch
 
-from eqc_utils.conversation import ConversationError, render_with_answer, training_messages
+from eqc_utils.conversation import (ConversationError, encode_prompt_and_answer, prompt_and_answer_text,
+                                    render_with_answer, training_messages)
 from eqc_utils.generation.rows import prompt_id_of
 
 class TeacherDataError(ValueError):
@@ -86,11 +87,16 @@ def pack_documents(docs: list[tuple[list[int], int]], max_seq_len: int, sep_id: 
             "weights": torch.tensor(weights, dtype=torch.float32).reshape(n_chunks, max_seq_len)}
 
 
-def _render(where: str, conv: list[dict], tokenizer) -> tuple[list[int], int]:
-    try:
-        return render_tokens(conv, tokenizer)
-    except TeacherDataError as error:
-        raise TeacherDataError(f"{where}: {error}") from error
+def _render_all(labelled: list[tuple[str, list[dict]]], tokenizer) -> list[tuple[list[int], int]]:
+    """(token ids, answer start) of each (where, conversation); a conversation the template cannot split is an
+    error that names its row."""
+    parts = []
+    for where, conv in labelled:
+        try:
+            parts.append(prompt_and_answer_text(tokenizer, conv))
+        except ConversationError as error:
+            raise TeacherDataError(f"{where}: {error}") from error
+    return encode_prompt_and_answer(tokenizer, parts)
 
 
 def build_packs(rows: list[dict], tokenizer, max_seq_len: int, val_ratio: float, seed: int,
@@ -104,7 +110,7 @@ def build_packs(rows: list[dict], tokenizer, max_seq_len: int, val_ratio: float,
     packs, meta = {}, {"max_seq_len": max_seq_len, "val_ratio": val_ratio, "shuffle_seed": seed,
                        "sep_id": sep_id, "pad_id": pad_id, "mask_prompt": mask_prompt, "n_source_rows": len(rows)}
     for split, split_rows_ in (("train", train_rows), ("val", val_rows)):
-        docs = [_render(where, conv, tokenizer) for where, conv in split_rows_]
+        docs = _render_all(split_rows_, tokenizer)
         random.Random(seed).shuffle(docs)
         packs[split] = pack_documents(docs, max_seq_len, sep_id, pad_id, mask_prompt)
         meta[split] = {"rows": len(docs), "chunks": int(packs[split]["input_ids"].shape[0]),
