@@ -95,6 +95,7 @@ SCHEMA: dict = {
         "keep_truncated": bool,           # keep rows that hit max_tokens
         "limit": Opt(int),                # answer only the first N prompts
         "n": int,                         # answers (samples) per prompt; rows <id>, <id>#s1, ...; > 1 needs temperature > 0
+        "n_stage2": Opt(int),             # 05: answers per prompt from the QAD target; null = n
         "hf_batch_size": int,             # transformers backend: sequences decoded together
         # transformers backend: generate (dynamic cache), static (static cache + torch.compile on GPU) or
         # continuous (transformers' continuous batching; docs/generation.md); slots (continuous batching in one compiled shape)

@@ -17,7 +17,7 @@ from eqc_utils.generation import generate
 from eqc_utils.generation.openai_client import Endpoints
 from eqc_utils.generation.rows import (failures_path, load_prompts, output_row, partial_path, prompt_id_of,
                                        reconstruct_text, request_messages, sample_id, samples_per_prompt,
-                                       sampling_params)
+                                       sampling_params, stage2_settings)
 from eqc_utils.serving.launcher import ServerStartError, VLLMServers, free_port
 from tests._fixtures_generation import (SERVER_ARGS, gen_params, lively_micro_model, micro_model, needs_vllm, read_rows,
                                         write_prompts)
@@ -112,6 +112,15 @@ def test_several_samples_need_sampling():
         samples_per_prompt(gen_params(n=2, temperature=0.0))
     with pytest.raises(ValueError, match="positive integer"):
         samples_per_prompt(gen_params(n=0))
+
+
+
+def test_stage_two_answers_n_stage2_per_prompt_where_set():
+    assert samples_per_prompt(stage2_settings(gen_params(n=2, n_stage2=1))) == 1
+    assert samples_per_prompt(stage2_settings(gen_params(n=2, n_stage2=None))) == 2
+    assert stage2_settings(gen_params(n=2, n_stage2=3))["temperature"] == gen_params()["temperature"]
+    with pytest.raises(ValueError, match="generation.n_stage2 must be a positive integer"):
+        stage2_settings(gen_params(n_stage2=0))
 
 
 def test_raising_n_asks_only_for_the_new_samples(tmp_path):

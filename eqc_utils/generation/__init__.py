@@ -40,11 +40,11 @@ from eqc_utils.generation.hf import generate_hf
 from eqc_utils.generation.openai_client import generate, generate_async
 from eqc_utils.generation.rows import (GenerationStats, Job, RowRecorder, finish_output, load_prompts, output_row,
                                        partial_path, prompt_id_of, reconstruct_text, request_messages, sample_id,
-                                       samples_per_prompt, sampling_params)
+                                       samples_per_prompt, sampling_params, stage2_settings)
 
 __all__ = ["GenerationStats", "Job", "RowRecorder", "finish_output", "generate", "generate_async", "generate_hf",
            "generate_with_model", "load_prompts", "output_row", "partial_path", "prompt_id_of", "reconstruct_text",
-           "request_messages", "sample_id", "samples_per_prompt", "sampling_params"]
+           "request_messages", "sample_id", "samples_per_prompt", "sampling_params", "stage2_settings"]
 
 
 def generate_with_model(model: str | Path, prompts_path: str | Path, out_path: str | Path, gen: dict, *,

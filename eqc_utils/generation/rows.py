@@ -110,6 +110,17 @@ def prompt_id_of(row: dict):
     return row.get("prompt_id", row.get("id"))
 
 
+def stage2_settings(gen: dict) -> dict:
+    """The generation settings of 05 (the QAD target's answers): `generation.n_stage2` answers per prompt where set,
+    else `n` as in 02."""
+    n2 = gen.get("n_stage2")
+    if n2 is None:
+        return gen
+    if not isinstance(n2, int) or n2 < 1:
+        raise ValueError(f"generation.n_stage2 must be a positive integer or null (= generation.n), got {n2!r}")
+    return {**gen, "n": n2}
+
+
 def samples_per_prompt(gen: dict) -> int:
     """`generation.n`, checked: n ≥ 1, and n > 1 only with sampling (greedy answers would be n copies)."""
     n = gen.get("n", 1)
