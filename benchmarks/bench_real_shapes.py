@@ -10,8 +10,8 @@ Sections (each prints a markdown table with medians and the ratio to the hardwar
            _amax, chunked per-token KL to a frozen teacher, gradient checkpointing, bf16, AdamW) at seq
            4096 / 8192 / 16384, micro-batch 1: step time, tokens/s, peak memory, model-FLOP utilisation;
            plus the full-logits KL at the shortest length to show what chunking saves; --qad-profile adds the
-           operators that take the longest step's GPU time, summed by kernel class; --qad-fake-quant pinned and
-           --qad-compile run the step as the pipeline's qad.fake_quant / qad.compile do
+           operators that take the longest step's GPU time, summed by kernel class. The student's INT4 forward and
+           compile follow params/paper.yaml's qad.fake_quant / qad.compile (--qad-fake-quant, --qad-compile to choose)
   drafter  one DFlash training step (eqc_utils.drafter: 5 layers, block 16, 512 anchors, flex_attention,
            target features captured online) vs sequence length: tokens/s and peak memory
   decode   the reference decoder's pieces: a 1-token and a 16-token target verify step with a KV/recurrent
@@ -399,9 +399,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--qad-profile", action="store_true",
                     help="profile one QAD step at the longest --qad-seq: operators by own GPU time (top_ops in JSON)")
-    ap.add_argument("--qad-fake-quant", choices=("modelopt", "pinned"), default="modelopt",
-                    help="the student's INT4 forward: modelopt's quantiser, or one autograd function per weight")
-    ap.add_argument("--qad-compile", action="store_true", help="torch.compile the student's decoder")
+    ap.add_argument("--qad-fake-quant", choices=("modelopt", "pinned"), default=None,
+                    help="the student's INT4 forward: modelopt's quantiser, or one autograd function per weight "
+                         "(default: params/paper.yaml's qad.fake_quant; the runs of 2026-12-07 used modelopt)")
+    ap.add_argument("--qad-compile", choices=("on", "off"), default=None,
+                    help="torch.compile the student's decoder (default: params/paper.yaml's qad.compile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -421,6 +423,10 @@ def main() -> int:
         results["tilelang"] = getattr(tilelang, "__version__", "present")
     except ImportError:
         results["tilelang"] = "absent"
+    from eqc_utils.params import load_params
+    paper_qad = load_params("paper")["qad"]
+    results["qad_fake_quant"] = args.qad_fake_quant or paper_qad["fake_quant"]
+    results["qad_compile"] = (args.qad_compile or paper_qad["compile"]) in ("on", "auto")   # auto: on, on CUDA
     print(json.dumps(results), flush=True)
     ceiling = ceilings()
     results["ceiling"] = ceiling
@@ -428,8 +434,8 @@ def main() -> int:
     sections = {
         "gdn": lambda: bench_gdn([int(x) for x in args.qad_seq.split(",")], args.repeats),
         "qad": lambda: bench_qad([int(x) for x in args.qad_seq.split(",")], ceiling["bf16_gemm_TFLOPs"],
-                                 args.kl_chunk, args.repeats, args.qad_profile, args.qad_fake_quant,
-                                 args.qad_compile),
+                                 args.kl_chunk, args.repeats, args.qad_profile, results["qad_fake_quant"],
+                                 results["qad_compile"]),
         "drafter": lambda: bench_drafter([int(x) for x in args.drafter_seq.split(",")],
                                          ceiling["bf16_gemm_TFLOPs"], args.repeats, args.drafter_batch),
         "decode": lambda: bench_decode([int(x) for x in args.contexts.split(",")], ceiling["copy_TBps"],
