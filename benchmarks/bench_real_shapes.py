@@ -401,7 +401,7 @@ def main() -> int:
                     help="profile one QAD step at the longest --qad-seq: operators by own GPU time (top_ops in JSON)")
     ap.add_argument("--qad-fake-quant", choices=("modelopt", "pinned"), default=None,
                     help="the student's INT4 forward: modelopt's quantiser, or one autograd function per weight "
-                         "(default: params/paper.yaml's qad.fake_quant; the runs of 2026-12-07 used modelopt)")
+                         "(default: params/paper.yaml's qad.fake_quant)")
     ap.add_argument("--qad-compile", choices=("on", "off"), default=None,
                     help="torch.compile the student's decoder (default: params/paper.yaml's qad.compile)")
     ap.add_argument("--out", default=None)
