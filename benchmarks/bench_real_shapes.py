@@ -423,10 +423,11 @@ def main() -> int:
         results["tilelang"] = getattr(tilelang, "__version__", "present")
     except ImportError:
         results["tilelang"] = "absent"
+    from eqc_utils.devices import wants_compile
     from eqc_utils.params import load_params
     paper_qad = load_params("paper")["qad"]
     results["qad_fake_quant"] = args.qad_fake_quant or paper_qad["fake_quant"]
-    results["qad_compile"] = (args.qad_compile or paper_qad["compile"]) in ("on", "auto")   # auto: on, on CUDA
+    results["qad_compile"] = wants_compile(args.qad_compile or paper_qad["compile"], "cuda")
     print(json.dumps(results), flush=True)
     ceiling = ceilings()
     results["ceiling"] = ceiling

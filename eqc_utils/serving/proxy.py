@@ -43,8 +43,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eqc_utils.serving.config import ServeConfig, load_serve_config
-from eqc_utils.serving.launcher import (ServerStartError, VLLMServers, _die_with_parent,
-                                        cuda_device_count, free_port, log_tail)
+from eqc_utils.serving.launcher import (ServerStartError, VLLMServers, _die_with_parent, cuda_device_count,
+                                        free_port, log_tail)
 
 log = logging.getLogger("eqc.serving")
 
