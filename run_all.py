@@ -4,6 +4,7 @@
     python run_all.py                      # whole pipeline, tiny profile
     python run_all.py --profile paper --stage 3
     python run_all.py --only 03 -p qad.lr=1e-5
+    python run_all.py --profile small --to 07   # 01 -> 07: data, target, drafter
     python run_all.py --dry-run            # what would run, and why
 """
 import argparse
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", metavar="NN",
                     help="run only notebook NN, e.g. 03 or 03_qad_target (repeatable)")
     ap.add_argument("--from", dest="start", metavar="NN", help="run notebook NN and everything after it")
+    ap.add_argument("--to", dest="end", metavar="NN", help="stop after notebook NN, e.g. --to 07 for 01 -> 07")
     ap.add_argument("--force", action="store_true", help="run even when the cached outputs are up to date")
     ap.add_argument("--dry-run", action="store_true", help="say what would run and why, run nothing")
     ap.add_argument("--list", action="store_true", help="list the stages")
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
         return 0
     try:
         results = run_pipeline(args.profile, args.param, paper_stage=args.stage, only=args.only,
-                               start=args.start, force=args.force, dry_run=args.dry_run)
+                               start=args.start, end=args.end, force=args.force, dry_run=args.dry_run)
     except (ParamsError, SelectionError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -174,12 +174,15 @@ def _stage_number(text: str, option: str, known: dict[str, StageSpec]) -> str:
 
 
 def select(stages: list[StageSpec], *, paper_stage: int | None = None, only: list[str] | None = None,
-           start: str | None = None) -> list[StageSpec]:
-    """The stages chosen by --stage, --only and --from (combined: all must hold). A choice that names an
+           start: str | None = None, end: str | None = None) -> list[StageSpec]:
+    """The stages chosen by --stage, --only, --from and --to (combined: all must hold). A choice that names an
     unknown notebook, an --only notebook that another option excludes, or an empty selection is an error."""
     known = {s.number: s for s in stages}
     wanted = [_stage_number(o, "--only", known) for o in only or []]
     first = _stage_number(start, "--from", known) if start is not None else None
+    last = _stage_number(end, "--to", known) if end is not None else None
+    if first is not None and last is not None and last < first:
+        raise SelectionError(f"--to {last} conflicts with --from {first}: notebook {last} comes before {first}")
     chosen = stages
     if paper_stage is not None:
         chosen = [s for s in chosen if s.paper_stage == paper_stage]
@@ -199,6 +202,15 @@ def select(stages: list[StageSpec], *, paper_stage: int | None = None, only: lis
                 raise SelectionError(f"--only {number} conflicts with --from {first}: notebook {number} comes "
                                      f"before {first}")
         chosen = [s for s in chosen if s.number >= first]
+    if last is not None:
+        for number in wanted:
+            if number > last:
+                raise SelectionError(f"--only {number} conflicts with --to {last}: notebook {number} comes "
+                                     f"after {last}")
+        if paper_stage is not None and all(s.number > last for s in chosen):
+            raise SelectionError(f"--to {last} conflicts with --stage {paper_stage}: paper stage {paper_stage} "
+                                 f"starts after notebook {last}")
+        chosen = [s for s in chosen if s.number <= last]
     if wanted:
         chosen = [s for s in chosen if s.number in set(wanted)]
     if not chosen:
@@ -289,17 +301,24 @@ def _notebook_profile_arg(profile_arg: str) -> str:
     return profile_arg if path == PARAMS_DIR / f"{profile_arg}.yaml" else str(path.resolve())
 
 
-def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, *, paper_stage=None,
-                 only=None, start=None, force=False, dry_run=False, log=print) -> list[StageResult]:
-    """Run the selected stages in order, skipping those whose stamp is current. Raises ParamsError
-    (bad profile or override) or SelectionError (bad --stage/--only/--from) before any notebook runs."""
+def _write_summaries(profile: str, results: list[StageResult]):
+    """The report index and figures/<profile>/headline.json as the results stand now."""
     from eqc_utils import reports
+    index = reports.write_index(profile, results)
+    return index, write_headline(profile, [spec.name for spec in registered()], stamp_file=STAMP_FILE)
 
+
+def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, *, paper_stage=None,
+                 only=None, start=None, end=None, force=False, dry_run=False, log=print) -> list[StageResult]:
+    """Run the selected stages in order, skipping those whose stamp is current. Raises ParamsError
+    (bad profile or override) or SelectionError (bad --stage/--only/--from/--to) before any notebook runs.
+    The report index and the headline are refreshed after every stage that ran, so a run cut off later
+    (a node taken back, Ctrl-C) keeps the headline numbers of the stages it finished."""
     overrides = list(overrides or [])
     params = load_params(profile_arg, overrides)  # fail fast on a bad profile, before any notebook
     profile = params["profile"]
     notebook_profile = _notebook_profile_arg(profile_arg)
-    stages = select(registered(), paper_stage=paper_stage, only=only, start=start)
+    stages = select(registered(), paper_stage=paper_stage, only=only, start=start, end=end)
     library = library_digest()  # once per run: every stage is stamped with the library it started with
     results: list[StageResult] = []
     will_run: set[str] = set()
@@ -323,8 +342,8 @@ def run_pipeline(profile_arg: str = "tiny", overrides: list[str] | None = None, 
             log(f"[{spec.name}] FAILED after {result.seconds:.1f}s: {result.error}")
             break
         log(f"[{spec.name}] ran in {result.seconds:.1f}s")
+        _write_summaries(profile, results)
     if not dry_run:
-        index = reports.write_index(profile, results)
-        headline = write_headline(profile, [spec.name for spec in registered()], stamp_file=STAMP_FILE)
+        index, headline = _write_summaries(profile, results)
         log(f"report: {index}\nheadline numbers: {headline}")
     return results

@@ -221,6 +221,28 @@ def test_library_digest_covers_the_package_and_is_cheap():
     assert pipeline.compute_stamp(spec, load_params("tiny"), "tiny")["library"] == digest
 
 
+def test_a_run_cut_off_later_keeps_the_headline_of_the_stages_it_finished(runs, monkeypatch):
+    # a GPU node taken back during 02 (here: Ctrl-C) must not take 01's numbers with it
+    import papermill
+    from eqc_utils import pipeline
+
+    def notebook(input_path, output_path, **kwargs):
+        if "01_prompts" not in input_path:
+            raise KeyboardInterrupt
+        out = stage_dir("tiny", "01_prompts")
+        for name in next(s for s in pipeline.REGISTRY if s.name == "01_prompts").outputs:
+            (out / name).write_text("{}\n")
+        io.write_json(out / "metrics.json", {"stage1_prompts": 7})
+
+    monkeypatch.setattr(papermill, "execute_notebook", notebook)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_pipeline("tiny", end="02", log=lambda line: None)
+    headline = json.loads((runs / "figures" / "tiny" / "headline.json").read_text())
+    assert list(headline["stages"]) == ["01_prompts"]
+    assert headline["stages"]["01_prompts"]["metrics"] == {"stage1_prompts": 7}
+    assert (runs / "reports" / "tiny" / "index.html").exists()
+
+
 @pytest.mark.parametrize("interruption", [RuntimeError("kernel died"), KeyboardInterrupt()])
 def test_failed_forced_run_leaves_no_stamp_and_reruns(runs, monkeypatch, interruption):
     import papermill
@@ -267,6 +289,9 @@ def test_stage_numbers_and_names_select_their_stage():
     assert names(paper_stage=1, only=["02"]) == ["02_teacher_data"]
     assert names(start="6") == ["06_drafter_pretrain", "07_drafter_finetune", "08_drafter_quant", "09_eval"]
     assert names(paper_stage=4) == ["09_eval"]
+    assert names(end="07") == [s.name for s in stages if s.number <= "07"]
+    assert names(start="03", end="05") == ["03_qad_target", "04_pack_target", "05_qad_data"]
+    assert names(paper_stage=3, end="7") == ["06_drafter_pretrain", "07_drafter_finetune"]
 
 
 def load_run_all():
@@ -283,6 +308,10 @@ def load_run_all():
     (["--stage", "1", "--only", "03"], "--only 03 conflicts with --stage 1"),       # used to run nothing, exit 0
     (["--only", "01", "--from", "03"], "--only 01 conflicts with --from 03"),
     (["--stage", "1", "--from", "03"], "--from 03 conflicts with --stage 1"),
+    (["--from", "05", "--to", "03"], "--to 03 conflicts with --from 05"),
+    (["--only", "08", "--to", "07"], "--only 08 conflicts with --to 07"),
+    (["--stage", "4", "--to", "07"], "--to 07 conflicts with --stage 4"),
+    (["--to", "7x"], "--to '7x': unknown stage"),
     (["-p", "profile=paper"], "'profile' cannot be overridden"),                   # used to write runs/paper/
     (["--profile", "nowhere/x.yaml"], f"(tried {os.path.abspath('nowhere/x.yaml')}); available profiles: "),
 ])
