@@ -30,7 +30,8 @@ its own shape (B sequences x A anchors) so that shapes can be compared side by s
 QAD step (teacher forward + student forward/backward through the pinned INT4 fake-quant grid + AdamW; small:
 8 x 1,024 tokens): gradient checkpointing on/off (ckpt / no-ckpt) x the student's INT4 forward (modelopt's
 quantiser, or `+pinned`: qad.fake_quant pinned) x compile of the student's decoder off/on (`+compile`,
-qad.compile). The first losses are compared with `ckpt`'s. Needs nvidia-modelopt (the INT4 quantisers).
+qad.compile), or of each decoder layer alone (`+compile-layers`: one graph for every layer, a shorter cold start;
+`first_step_s` is the first step with its compilation). The first losses are compared with `ckpt`'s. Needs nvidia-modelopt (the INT4 quantisers).
 
 MFU = model FLOPs / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM); model FLOPs:
 drafter 2 x (target layers used) x context tokens + 6 x drafter x block positions + 4 x hidden x vocab x scored
@@ -253,8 +254,12 @@ def bench_qad(args, device: str) -> list[dict]:
     ids = torch.randint(100, SMOLLM2["vocab_size"], (args.qad_batch, args.seq), generator=gen).to(device)
     weights = torch.ones(args.qad_batch, args.seq, device=device)
     rows = []
-    configs = [(ckpt, pinned, compiled) for pinned in (False, True) for compiled in (False, True) for ckpt in (True, False)]
-    names = {c: f"{'ckpt' if c[0] else 'no-ckpt'}{'+pinned' if c[1] else ''}{'+compile' if c[2] else ''}" for c in configs}
+    # compiled: False, "decoder" (qad.compile: the whole decoder as one graph) or "layers" (each decoder layer
+    # compiled alone: one graph reused by all layers, so a fraction of the cold-start compile time)
+    configs = [(ckpt, pinned, compiled) for pinned in (False, True) for compiled in (False, "decoder", "layers")
+               for ckpt in (True, False)]
+    suffix = {False: "", "decoder": "+compile", "layers": "+compile-layers"}
+    names = {c: f"{'ckpt' if c[0] else 'no-ckpt'}{'+pinned' if c[1] else ''}{suffix[c[2]]}" for c in configs}
     configs = [c for c in configs if not (args.no_compile and c[2])]
     if args.configs:
         configs = [c for c in configs if names[c] in args.configs.split(",")]
@@ -266,8 +271,11 @@ def bench_qad(args, device: str) -> list[dict]:
             use_pinned_int4_forward(lm)
         if checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compiled:
+        if compiled == "decoder":
             lm.get_decoder().compile()
+        elif compiled == "layers":
+            for layer in lm.get_decoder().layers:
+                layer.compile()
         student = Distillee(lm)
         optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
         reset_peak(device)
@@ -275,7 +283,7 @@ def bench_qad(args, device: str) -> list[dict]:
             def step_loss(i, student=student):
                 return chunked_forward_kl(student(ids), teacher_hidden(teacher, ids), weights, student.head,
                                           teacher.get_output_embeddings(), 1.0, args.kl_chunk), {}
-            times, losses, _, _ = timed_steps(step_loss, optimizer, args, device)
+            times, losses, _, first_step_s = timed_steps(step_loss, optimizer, args, device)
             if args.profile:
                 profile_steps(step_loss, optimizer, args, device, f"qad_{name}")
         except Exception as error:
@@ -283,7 +291,7 @@ def bench_qad(args, device: str) -> list[dict]:
             rows.append({"part": "qad", "config": name, "error": f"{type(error).__name__}: {error}"[:500]})
             continue
         step = statistics.median(times)
-        rows.append({"part": "qad", "config": name, "step_s": round(step, 4),
+        rows.append({"part": "qad", "config": name, "step_s": round(step, 4), "first_step_s": round(first_step_s, 2),
                      "tokens_per_s": round(ids.numel() / step), "peak_gib": peak_gib(device),
                      "mfu": 8 * n_params * ids.numel() / step / (args.peak_tflops * 1e12), "first_loss": losses[0]})
         del lm, student, optimizer
