@@ -31,7 +31,8 @@ QAD step (teacher forward + student forward/backward through the pinned INT4 fak
 8 x 1,024 tokens): gradient checkpointing on/off (ckpt / no-ckpt) x the student's INT4 forward (modelopt's
 quantiser, or `+pinned`: qad.fake_quant pinned) x compile of the student's decoder off/on (`+compile`,
 qad.compile), or of each decoder layer alone (`+compile-layers`: one graph for every layer, a shorter cold start;
-`first_step_s` is the first step with its compilation). The first losses are compared with `ckpt`'s. Needs nvidia-modelopt (the INT4 quantisers).
+`first_step_s` is the first step with its compilation). The first losses are compared with `ckpt`'s. Needs
+nvidia-modelopt (the INT4 quantisers).
 
 MFU = model FLOPs / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM); model FLOPs:
 drafter 2 x (target layers used) x context tokens + 6 x drafter x block positions + 4 x hidden x vocab x scored
