@@ -146,6 +146,8 @@ SCHEMA: dict = {
         "mask_prompt": bool,               # false = the reference: KL on every non-pad token
         "grad_checkpointing": bool,
         "compile": OneOf("auto", "on", "off"),  # torch.compile the student's decoder; auto = on CUDA only
+        "compile_unit": OneOf("decoder", "layers"),  # one graph for the whole decoder, or one per decoder layer (shared
+                                                     # by identical layers: a fraction of the cold-start compile)
         "fake_quant": OneOf("pinned", "modelopt"),  # the student's INT4 forward: pinned = one plain autograd function per
                                                     # weight, equal to modelopt's quantiser (eqc_utils/quant/fake_quant.py)
         "mixed_precision": OneOf("auto", "no", "bf16"),   # auto = bf16 on CUDA, fp32 on CPU

@@ -88,14 +88,27 @@ def test_compiled_pinned_student_trains_as_the_eager_one(teacher, tmp_path):
     """qad.compile without checkpointing: with modelopt's quantised Linears dynamo failed (one H200, torch 2.11);
     with the pinned forward the decoder compiles (inductor on the CPU here) and trains the same losses."""
     losses = {}
-    for compiled in ("off", "on"):
+    for compiled, unit in (("off", "decoder"), ("on", "decoder"), ("on", "layers")):
         params = micro_params(max_steps=2, save_every=2, eval_every=2, lr=3e-4, fake_quant="pinned",
-                              grad_checkpointing=False, compile=compiled)
-        root = _prepared(tmp_path / compiled, teacher, params, teacher_rows(6))
+                              grad_checkpointing=False, compile=compiled, compile_unit=unit)
+        root = _prepared(tmp_path / f"{compiled}-{unit}", teacher, params, teacher_rows(6))
         qad.train_qad(params, root, teacher)
-        losses[compiled] = [r["loss"] for r in qad.read_logs(root)[0]]
-    assert len(losses["on"]) == 2
-    assert losses["on"] == pytest.approx(losses["off"], rel=1e-3)   # fp32, reordered by inductor
+        losses[compiled, unit] = [r["loss"] for r in qad.read_logs(root)[0]]
+    eager = losses["off", "decoder"]
+    assert len(eager) == 2
+    for unit in ("decoder", "layers"):   # fp32, reordered by inductor
+        assert losses["on", unit] == pytest.approx(eager, rel=1e-3), unit
+
+
+def test_compile_unit_compiles_the_decoder_or_each_layer(teacher):
+    for unit in ("decoder", "layers"):
+        lm = AutoModelForCausalLM.from_pretrained(teacher)
+        qad.compile_student(lm, unit)
+        decoder = lm.get_decoder()
+        assert (decoder._compiled_call_impl is not None) == (unit == "decoder")
+        assert all((layer._compiled_call_impl is not None) == (unit == "layers") for layer in decoder.layers)
+    with pytest.raises(ValueError, match="qad.compile_unit"):
+        qad.compile_student(lm, "model")
 
 
 def test_pack_round_trip_is_bit_exact_with_ignore_list(fixed_batch_run, tmp_path):
