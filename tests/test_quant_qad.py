@@ -86,7 +86,8 @@ def test_pinned_and_modelopt_forwards_train_the_same_trajectory(teacher, tmp_pat
 
 def test_compiled_pinned_student_trains_as_the_eager_one(teacher, tmp_path):
     """qad.compile without checkpointing: with modelopt's quantised Linears dynamo failed (one H200, torch 2.11);
-    with the pinned forward the decoder compiles (inductor on the CPU here) and trains the same losses."""
+    with the pinned forward the decoder, or each decoder layer (qad.compile_unit), compiles (inductor on the CPU
+    here) and trains the same losses."""
     losses = {}
     for compiled, unit in (("off", "decoder"), ("on", "decoder"), ("on", "layers")):
         params = micro_params(max_steps=2, save_every=2, eval_every=2, lr=3e-4, fake_quant="pinned",
@@ -101,6 +102,7 @@ def test_compiled_pinned_student_trains_as_the_eager_one(teacher, tmp_path):
 
 
 def test_compile_unit_compiles_the_decoder_or_each_layer(teacher):
+    """`decoder` wraps only the decoder, `layers` only its layers; any other value is refused by name."""
     for unit in ("decoder", "layers"):
         lm = AutoModelForCausalLM.from_pretrained(teacher)
         qad.compile_student(lm, unit)
