@@ -246,7 +246,7 @@ def bench_qad(args, device: str) -> list[dict]:
     from eqc_utils.quant import grid
     from eqc_utils.quant.fake_quant import use_pinned_int4_forward
     from eqc_utils.quant.kl import chunked_forward_kl
-    from eqc_utils.quant.qad import Distillee, teacher_hidden
+    from eqc_utils.quant.qad import Distillee, compile_student, teacher_hidden
 
     quant = {**load_params("small")["quant"], "min_quantized_modules": 1}
     teacher = random_target(device, torch.float32)
@@ -272,11 +272,8 @@ def bench_qad(args, device: str) -> list[dict]:
             use_pinned_int4_forward(lm)
         if checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compiled == "decoder":
-            lm.get_decoder().compile()
-        elif compiled == "layers":
-            for layer in lm.get_decoder().layers:
-                layer.compile()
+        if compiled:
+            compile_student(lm, compiled)   # qad.compile_unit: decoder or layers
         student = Distillee(lm)
         optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
         reset_peak(device)
