@@ -113,6 +113,25 @@ def test_compile_unit_compiles_the_decoder_or_each_layer(teacher):
         qad.compile_student(lm, "model")
 
 
+def test_held_out_kl_is_the_same_whatever_the_rows_per_forward(teacher, tmp_path):
+    """mean_kl batches `micro_batch_size` rows per forward (a last, shorter batch too) and gives the
+    per-row result: token-weighted KL and agreement over the same tokens."""
+    student = AutoModelForCausalLM.from_pretrained(micro_llama(tmp_path / "student", seed=1)).eval()
+    ref = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 49152, (5, 24))
+    weights = (torch.rand(5, 24) > 0.3).float()
+    hidden = lambda x: student.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+    stats = {rows: qad.mean_kl(hidden, ref, student.get_output_embeddings(), ids, weights,
+                               {"micro_batch_size": rows, "kl_temperature": 1.0, "kl_chunk_tokens": 16})
+             for rows in (1, 2, 5)}
+    assert stats[1]["kl"] > 0.01 and stats[1]["tokens"] == float(weights.sum())
+    for rows in (2, 5):
+        assert stats[rows]["kl"] == pytest.approx(stats[1]["kl"], rel=1e-5)
+        assert stats[rows]["top1"] == pytest.approx(stats[1]["top1"], abs=1e-6)   # fp32 ratios
+        assert stats[rows]["tokens"] == stats[1]["tokens"]
+
+
 def test_pack_round_trip_is_bit_exact_with_ignore_list(fixed_batch_run, tmp_path):
     params, root, _ = fixed_batch_run
     student = qad.load_student_export(qad.find_checkpoint(root, None), params["quant"])

@@ -219,17 +219,22 @@ def teacher_hidden(teacher: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def mean_kl(model_hidden, teacher: nn.Module, head: nn.Module, ids: torch.Tensor, weights: torch.Tensor,
             qad: dict) -> dict:
-    """Weighted held-out KL and top-1 agreement of a model against the teacher, chunk by chunk."""
-    kl_sum = agree_sum = total = 0.0
-    for row in range(ids.shape[0]):
-        x, w = ids[row: row + 1], weights[row: row + 1]
+    """Weighted held-out KL and top-1 agreement of a model against the teacher.
+
+    Rows go through `qad.micro_batch_size` at a time (a training micro-batch fits, and without gradients
+    the forward needs less), and the sums stay on the device until the end (one row at a time, with three
+    host reads per row, the held-out evaluations took 67 s of 03's 334 s on one H100)."""
+    rows = max(1, int(qad["micro_batch_size"]))
+    kl_sum = agree_sum = total = torch.zeros((), dtype=torch.float64, device=ids.device)
+    for start in range(0, ids.shape[0], rows):
+        x, w = ids[start: start + rows], weights[start: start + rows]
         kl, agree, n = chunked_forward_kl(model_hidden(x), teacher_hidden(teacher, x), w, head,
                                           teacher.get_output_embeddings(), qad["kl_temperature"],
                                           qad["kl_chunk_tokens"], with_agreement=True)
-        kl_sum += float(kl) * float(n)
-        agree_sum += float(agree) * float(n)
-        total += float(n)
-    return {"kl": kl_sum / max(total, 1.0), "top1": agree_sum / max(total, 1.0), "tokens": total}
+        n = n.double()
+        kl_sum, agree_sum, total = kl_sum + kl.double() * n, agree_sum + agree.double() * n, total + n
+    total = max(float(total), 1.0)
+    return {"kl": float(kl_sum) / total, "top1": float(agree_sum) / total, "tokens": total}
 
 
 def _hidden_fn(lm: nn.Module):
