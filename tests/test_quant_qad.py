@@ -121,8 +121,7 @@ def test_held_out_kl_is_the_same_whatever_the_rows_per_forward(teacher, tmp_path
     torch.manual_seed(0)
     ids = torch.randint(3, 49152, (5, 24))
     weights = (torch.rand(5, 24) > 0.3).float()
-    hidden = lambda x: student.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
-    stats = {rows: qad.mean_kl(hidden, ref, student.get_output_embeddings(), ids, weights,
+    stats = {rows: qad.mean_kl(qad._hidden_fn(student), ref, student.get_output_embeddings(), ids, weights,
                                {"micro_batch_size": rows, "kl_temperature": 1.0, "kl_chunk_tokens": 16})
              for rows in (1, 2, 5)}
     assert stats[1]["kl"] > 0.01 and stats[1]["tokens"] == float(weights.sum())
