@@ -19,6 +19,7 @@ Drafter step (`eqc_utils.drafter.train.drafter_step` + backward + AdamW; small: 
                   (drafter.pad_multiple: one graph per width) instead of --seq
   ...+greedy      any of these with drafter.labels target_greedy: the target runs all its layers and its head's
                   argmax gives the labels (e.g. fused+compile+bucket+greedy)
+  ...+slotsK      any of these with drafter.loss_slots K: only slots 1 ... K of a block scored (e.g. fused+slots7)
 Batches alternate between two lengths (--seq and --seq minus 128, or --lengths) as real batches do; the compiled
 configurations get both padded to --seq (or, +bucket, to their own multiple of --pad-multiple). Length-grouped
 batches of real conversations, e.g. small's ~300-token answers, side by side with one padded shape:
@@ -183,19 +184,22 @@ def bench_drafter(args, device: str) -> list[dict]:
     configs = []
     for spec in specs:       # NAME or NAME@BxA: B sequences x A anchors instead of --batch x --anchors
         name, _, shape = spec.partition("@")
-        kind = name.removesuffix("+greedy")      # +greedy: drafter.labels target_greedy (full target forward)
+        parts = name.split("+")
+        greedy = "greedy" in parts                # +greedy: drafter.labels target_greedy (full target forward)
+        slots = next((int(p[5:]) for p in parts if p.startswith("slots") and p[5:].isdigit()), None)   # +slotsK
+        kind = "+".join(p for p in parts if p != "greedy" and not (p.startswith("slots") and p[5:].isdigit()))
         if kind not in kinds:
             continue         # a QAD configuration name
         batch, anchors = (int(v) for v in shape.split("x")) if shape else (args.batch, args.anchors)
-        labels = "target_greedy" if name.endswith("+greedy") else "data"
+        labels = "target_greedy" if greedy else "data"
         if not (args.no_compile and kinds[kind][1]):
-            configs.append((spec, *kinds[kind], batch, anchors, labels))
+            configs.append((spec, *kinds[kind], batch, anchors, labels, slots))
     data_of = {}
     rows, first_losses = [], {}
-    for name, fused, compiled, bucket, batch, anchors, labels in configs:
+    for name, fused, compiled, bucket, batch, anchors, labels, slots in configs:
         data = data_of.setdefault(batch, batches(args, device, batch))
-        P = {"num_anchors": anchors, "loss_decay_gamma": 7.0, "attention": "auto", "fused_loss": fused,
-             "labels": labels, "max_length": args.seq}
+        P = {"num_anchors": anchors, "loss_decay_gamma": args.gamma, "loss_slots": slots, "attention": "auto",
+             "fused_loss": fused, "labels": labels, "max_length": args.seq}
         drafter = copy.deepcopy(init)
         if compiled:   # as drafter.train does: batches padded to max_length (--seq) or, +bucket, a multiple
             drafter.compile(dynamic=False)
@@ -219,7 +223,8 @@ def bench_drafter(args, device: str) -> list[dict]:
         step = statistics.median(times)
         first_losses[name] = losses[0]
         flops = drafter_flops(target, drafter, data[0], args, int(statistics.median(scored)), anchors)
-        rows.append({"part": "drafter", "config": name, "labels": labels, "sequences": batch, "anchors": anchors,
+        rows.append({"part": "drafter", "config": name, "labels": labels, "loss_slots": slots, "sequences": batch,
+                     "anchors": anchors, "scored_positions": int(statistics.median(scored)),
                      "lengths": [b["input_ids"].shape[1] for b in data],
                      "padded_widths": [b["input_ids"].shape[1] for b in steps_data],
                      "step_s": round(step, 4), "sequence_ms": round(1000 * step / batch, 3),
@@ -311,6 +316,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="drafter sequences per micro-batch (small: 8)")
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--gamma", type=float, default=7.0, help="drafter.loss_decay_gamma (small: 4)")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--qad-batch", type=int, default=8, help="QAD sequences per micro-batch (small: 8)")
     ap.add_argument("--kl-chunk", type=int, default=1024)

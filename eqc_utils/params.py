@@ -185,6 +185,8 @@ SCHEMA: dict = {
                                            # decoder layers and final norm (same shapes required)
         "num_anchors": int,                # blocks per sequence (paper 512)
         "loss_decay_gamma": float,         # slot k weighs exp(-(k-1)/gamma) (paper 7)
+        "loss_slots": Opt(int),            # score slots 1 ... loss_slots only (null: all); a later slot is rarely
+                                           # reached, and the head's cost follows the scored slots
         "labels": OneOf("data", "target_greedy", "target_soft"),  # what a block slot learns: the answer's token
                                            # (DFlash), the target's greedy token after the answer's prefix (what
                                            # greedy verification accepts) or its whole distribution there

@@ -14,6 +14,20 @@ def test_decay_weights_follow_the_reference():
     assert torch.all(w[2:] < w[1:-1])
 
 
+def test_loss_slots_zero_the_later_slots_and_keep_the_others():
+    full, cut = decay_weights(16, 4.0), decay_weights(16, 4.0, slots=7)
+    assert torch.equal(cut[:8], full[:8]) and torch.all(cut[8:] == 0) and torch.all(full[8:] > 0)
+    ids = torch.arange(100, 120)[None]
+    loss_mask = torch.ones(1, 20, dtype=torch.long)
+    anchors, valid = torch.tensor([[4, 11]]), torch.tensor([[True, True]])
+    every = block_targets(ids, loss_mask, torch.tensor([20]), anchors, valid, block_size=4, mask_token_id=7, gamma=7.0)
+    two = block_targets(ids, loss_mask, torch.tensor([20]), anchors, valid, block_size=4, mask_token_id=7, gamma=7.0,
+                        loss_slots=2)
+    assert two["weights"][0].tolist() == [w if slot < 3 else 0.0 for slot, w in zip([0, 1, 2, 3] * 2,
+                                                                                     every["weights"][0].tolist())]
+    assert all(torch.equal(two[k], every[k]) for k in ("block_ids", "labels", "positions"))
+
+
 def _batch():
     # row 0: prompt 0..5, answer 6..19 (length 20); row 1: prompt 0..3, answer 4..11 (length 12), padding after
     loss_mask = torch.zeros(2, 20, dtype=torch.long)

@@ -281,9 +281,27 @@ def test_compiled_drafter_with_length_groups_and_several_widths_trains_as_the_ea
         assert abs(eager - compiled) <= 1e-3 * abs(eager), histories
 
 
+def test_fewer_loss_slots_score_fewer_positions_and_all_of_them_are_the_default(chain_target_dir, tokenizer, corpus):
+    """drafter.loss_slots = block_size - 1 is every slot (the same step as null); fewer slots send fewer positions
+    through the head and change the loss."""
+    from eqc_utils.drafter.data import build_examples, collate
+    from eqc_utils.drafter.train import drafter_step, new_drafter
+    target = load_target(chain_target_dir, "cpu", "fp32")
+    P = tiny_params()
+    batch = collate(build_examples(corpus[1][:2], tokenizer, P["max_length"], 16, where="test"), "cpu")
+    torch.manual_seed(0)
+    drafter = new_drafter(P, target, tokenizer, None)
+    steps = {slots: drafter_step(drafter, target, batch, {**P, "fused_loss": True, "loss_slots": slots},
+                                 torch.Generator().manual_seed(3)) for slots in (None, P["block_size"] - 1, 2)}
+    (every, every_stats), (last, last_stats), (two, two_stats) = steps.values()
+    assert torch.equal(last, every) and last_stats["scored"] == every_stats["scored"]
+    assert 0 < two_stats["scored"] < every_stats["scored"]
+    assert not torch.isclose(two, every)
+
+
 def test_bad_grouping_params_name_the_parameter(chain_target_dir, tokenizer, corpus, tmp_path):
     path, _ = corpus
-    for bad in ({"length_grouping": -1}, {"pad_multiple": 0}):
+    for bad in ({"length_grouping": -1}, {"pad_multiple": 0}, {"loss_slots": 0}, {"loss_slots": 99}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train_run("bad", chain_target_dir, path, tmp_path / "bad", tiny_params(**bad), tokenizer, device="cpu")
 

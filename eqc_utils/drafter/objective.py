@@ -51,23 +51,26 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: i
     return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
 
 
-def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """[block_size]: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+def decay_weights(block_size: int, gamma: float, device=None, slots: int | None = None) -> torch.Tensor:
+    """[block_size]: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1; with `slots`, 0 also past slot `slots`
+    (drafter.loss_slots: the head and its gradient then run on those slots only)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
+    if slots is not None:
+        w[slots + 1:] = 0.0
     return w
 
 
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
                   valid: torch.Tensor, block_size: int, mask_token_id: int, gamma: float,
                   label_ids: torch.Tensor | None = None,
-                  target_last: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  target_last: torch.Tensor | None = None, loss_slots: int | None = None) -> dict[str, torch.Tensor]:
     """Block token ids, their positions, labels and loss weights, each [B, N*block_size]. Labels come from
     `label_ids` when given (e.g. the target's greedy tokens, [B, S] like input_ids); the anchor is always the
     data token. With `target_last` (the target's final hidden states, [B, S, H]) the result also holds
     `teacher_hidden` [B, N*block_size, H]: for the slot at position p the target's state at p - 1, whose head
-    output is the target's distribution of the token at p (soft labels)."""
+    output is the target's distribution of the token at p (soft labels). `loss_slots`: see `decay_weights`."""
     batch, n = anchors.shape
     offsets = torch.arange(block_size, device=anchors.device)
     positions = anchors[:, :, None] + offsets                          # [B, N, block]
@@ -78,7 +81,7 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     scored = torch.gather(loss_mask, 1, safe.flatten(1)).view(batch, n, block_size).bool()
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = torch.where(valid, tokens[:, :, 0], torch.full_like(tokens[:, :, 0], mask_token_id))
-    weights = decay_weights(block_size, gamma, anchors.device)[None, None, :] * (valid[:, :, None] & inside & scored)
+    weights = decay_weights(block_size, gamma, anchors.device, loss_slots)[None, None, :] * (valid[:, :, None] & inside & scored)
     out = {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
            "labels": labels.flatten(1), "weights": weights.flatten(1)}
     if target_last is not None:   # slot 0 (never scored) would read p - 1 = anchor - 1 >= 0: clamped anyway

@@ -153,7 +153,7 @@ def drafter_step(drafter, target, batch: dict, P: dict, generator: torch.Generat
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, cfg.block_size, P["num_anchors"], generator,
                                     fixed_count=compiled, key_width=P["max_length"])
     blocks = block_targets(batch["input_ids"], batch["loss_mask"], lengths, anchors, valid, cfg.block_size,
-                           cfg.mask_token_id, P["loss_decay_gamma"], label_ids, target_last)
+                           cfg.mask_token_id, P["loss_decay_gamma"], label_ids, target_last, P.get("loss_slots"))
     context_len = batch["input_ids"].shape[1]
     mask = build_block_mask(anchors, valid, context_len, cfg.block_size, P["attention"])
     with torch.no_grad():
@@ -252,6 +252,9 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
     if P["length_grouping"] < 0 or (P["pad_multiple"] is not None and P["pad_multiple"] < 1):
         raise ValueError(f"drafter.length_grouping={P['length_grouping']} must be >= 0 and drafter.pad_multiple="
                          f"{P['pad_multiple']} null or >= 1")
+    if P.get("loss_slots") is not None and not 1 <= P["loss_slots"] < P["block_size"]:
+        raise ValueError(f"drafter.loss_slots={P['loss_slots']}: give null (every slot) or 1 ... block_size - 1 "
+                         f"({P['block_size'] - 1})")
     accelerator = Accelerator(cpu=device == "cpu", gradient_accumulation_steps=P["grad_accum"],
                               mixed_precision="bf16" if P["precision"] == "bf16" else "no")
     torch.manual_seed(seed)
