@@ -306,6 +306,20 @@ def test_bad_grouping_params_name_the_parameter(chain_target_dir, tokenizer, cor
             train_run("bad", chain_target_dir, path, tmp_path / "bad", tiny_params(**bad), tokenizer, device="cpu")
 
 
+def test_loss_slots_are_checked_against_a_warm_started_drafters_own_block_size(chain_target_dir, tokenizer, corpus,
+                                                                              tmp_path):
+    """A warm start keeps the loaded drafter's block size: loss_slots 10 fits the profile's block of 16 but not the
+    loaded drafter's block of 8, and must be refused before training."""
+    from eqc_utils.drafter.model import save_drafter
+    from eqc_utils.drafter.train import new_drafter
+    path, _ = corpus
+    P = tiny_params()
+    save_drafter(new_drafter(P, load_target(chain_target_dir, "cpu", "fp32"), tokenizer, None), tmp_path / "block8")
+    with pytest.raises(ValueError, match=r"loss_slots=10.*blocks of 8"):
+        train_run("warm", chain_target_dir, path, tmp_path / "warm", tiny_params(block_size=16, loss_slots=10),
+                  tokenizer, device="cpu", init_from=tmp_path / "block8")
+
+
 def test_target_greedy_labels_are_the_targets_argmax_after_each_prefix(micro_llama_dir, tokenizer, corpus):
     """context_features_and_greedy: the features of context_features, and at every real position p the token a
     cache-free forward over the first p tokens picks greedily (right padding of a shorter row included)."""

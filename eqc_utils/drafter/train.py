@@ -245,6 +245,12 @@ def train_drafter(run: TrainRun, P: dict, tokenizer, *, device: str = "auto", se
     return final
 
 
+def _check_loss_slots(P: dict, block_size: int) -> None:
+    if P.get("loss_slots") is not None and not 1 <= P["loss_slots"] < block_size:
+        raise ValueError(f"drafter.loss_slots={P['loss_slots']}: give null (every slot) or 1 ... block_size - 1 "
+                         f"({block_size - 1} for this drafter's blocks of {block_size})")
+
+
 def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _Session:
     """Target, drafter, examples, optimiser and schedule, prepared by accelerate (nothing restored yet)."""
     from accelerate import Accelerator
@@ -252,14 +258,13 @@ def _setup(run: TrainRun, P: dict, tokenizer, device: str, seed: int, log) -> _S
     if P["length_grouping"] < 0 or (P["pad_multiple"] is not None and P["pad_multiple"] < 1):
         raise ValueError(f"drafter.length_grouping={P['length_grouping']} must be >= 0 and drafter.pad_multiple="
                          f"{P['pad_multiple']} null or >= 1")
-    if P.get("loss_slots") is not None and not 1 <= P["loss_slots"] < P["block_size"]:
-        raise ValueError(f"drafter.loss_slots={P['loss_slots']}: give null (every slot) or 1 ... block_size - 1 "
-                         f"({P['block_size'] - 1})")
+    _check_loss_slots(P, P["block_size"])   # before loading anything; again below for a warm start's own block size
     accelerator = Accelerator(cpu=device == "cpu", gradient_accumulation_steps=P["grad_accum"],
                               mixed_precision="bf16" if P["precision"] == "bf16" else "no")
     torch.manual_seed(seed)
     target = load_target(run.target_dir, str(accelerator.device), P["precision"])
     drafter = new_drafter(P, target, tokenizer, run.init_from)
+    _check_loss_slots(P, drafter.block_size)
     used_rows = run.rows[:P["max_conversations"]] if P["max_conversations"] else run.rows
     examples = build_examples(used_rows, tokenizer, P["max_length"], 2 * drafter.block_size, where=run.name)
     rank, world = accelerator.process_index, accelerator.num_processes
