@@ -171,6 +171,11 @@ def profile_steps(step_loss, optimizer, args, device: str, label: str) -> None:
         (args.profile_dir / f"profile_{label}.txt").write_text(text)
 
 
+def _loss_slots_of(part: str) -> int | None:
+    """K for a configuration part `slotsK`, else None."""
+    return int(part[5:]) if part.startswith("slots") and part[5:].isdigit() else None
+
+
 def bench_drafter(args, device: str) -> list[dict]:
     target = random_target(device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block, target_layer_ids=None,
@@ -186,8 +191,8 @@ def bench_drafter(args, device: str) -> list[dict]:
         name, _, shape = spec.partition("@")
         parts = name.split("+")
         greedy = "greedy" in parts                # +greedy: drafter.labels target_greedy (full target forward)
-        slots = next((int(p[5:]) for p in parts if p.startswith("slots") and p[5:].isdigit()), None)   # +slotsK
-        kind = "+".join(p for p in parts if p != "greedy" and not (p.startswith("slots") and p[5:].isdigit()))
+        slots = next((k for k in map(_loss_slots_of, parts) if k is not None), None)   # +slotsK: loss_slots K
+        kind = "+".join(p for p in parts if p != "greedy" and _loss_slots_of(p) is None)
         if kind not in kinds:
             continue         # a QAD configuration name
         batch, anchors = (int(v) for v in shape.split("x")) if shape else (args.batch, args.anchors)

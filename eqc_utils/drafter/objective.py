@@ -81,7 +81,8 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     scored = torch.gather(loss_mask, 1, safe.flatten(1)).view(batch, n, block_size).bool()
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = torch.where(valid, tokens[:, :, 0], torch.full_like(tokens[:, :, 0], mask_token_id))
-    weights = decay_weights(block_size, gamma, anchors.device, loss_slots)[None, None, :] * (valid[:, :, None] & inside & scored)
+    live = valid[:, :, None] & inside & scored
+    weights = decay_weights(block_size, gamma, anchors.device, loss_slots)[None, None, :] * live
     out = {"block_ids": block_ids.flatten(1), "positions": positions.flatten(1),
            "labels": labels.flatten(1), "weights": weights.flatten(1)}
     if target_last is not None:   # slot 0 (never scored) would read p - 1 = anchor - 1 >= 0: clamped anyway
